@@ -1,0 +1,1 @@
+websocket_urlpatterns: list = []
