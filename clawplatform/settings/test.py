@@ -1,6 +1,7 @@
 """Settings for the test suite: real PostgreSQL and Redis, one database and key prefix per run."""
 import os
 import uuid
+from pathlib import Path
 
 from .base import *  # noqa: F401,F403
 from .base import CELERY_BROKER_TRANSPORT_OPTIONS, CHANNEL_LAYERS, DATABASES, DATA_DIR, env
@@ -22,4 +23,5 @@ CACHES = {
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {**CELERY_BROKER_TRANSPORT_OPTIONS, "global_keyprefix": f"{REDIS_KEY_PREFIX}:celery:", "visibility_timeout": 20}
 TEST_DATA_DIR = DATA_DIR / "test" / RUN_ID
-ADAPTER_ROOT = TEST_DATA_DIR / "adapters"
+# A test's subprocess (tools.devservices.test_subprocess_env) gets the test's own adapter root.
+ADAPTER_ROOT = Path(env("ADAPTER_ROOT", str(TEST_DATA_DIR / "adapters"))).resolve()

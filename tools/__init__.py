@@ -1,0 +1,1 @@
+"""Developer tooling: the `./run` and `./test` orchestration (`tools.devservices`)."""
