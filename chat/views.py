@@ -12,7 +12,6 @@ from django.contrib.auth import login
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.tokens import default_token_generator
-from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse, reverse_lazy
 from django.utils import timezone
@@ -20,6 +19,7 @@ from django.utils.encoding import force_bytes
 from django.utils.http import urlsafe_base64_encode
 from django.views.decorators.http import require_POST
 
+from . import services
 from .forms import AgentForm, ApiKeyForm, ConversationRenameForm, InviteForm, SignupForm
 from .models import Agent, ApiKey, Conversation, Feedback, Turn
 
@@ -98,7 +98,7 @@ def conversation_rename(request, conversation_id):
     conversation = get_object_or_404(Conversation, pk=conversation_id, user=request.user)
     form = ConversationRenameForm(request.POST, instance=conversation)
     if form.is_valid():
-        form.save()
+        services.rename_conversation(conversation, form.cleaned_data["title"], user=request.user)
     else:
         messages.error(request, " ".join(form.errors.get("title", ["Invalid title."])))
     return redirect("chat:conversation", conversation_id=conversation.pk)
@@ -109,34 +109,32 @@ def conversation_rename(request, conversation_id):
 def conversation_delete(request, conversation_id):
     conversation = get_object_or_404(Conversation, pk=conversation_id, user=request.user)
     agent_id = conversation.agent_id
-    conversation.delete()
+    services.delete_conversation(conversation, user=request.user)
     messages.success(request, "Conversation deleted.")
     return redirect("chat:agent_chat", agent_id=agent_id)
 
 
 def _render_chat(request, agent, conversation):
     query = request.GET.get("q", "").strip()
-    turns = list(conversation.turns.select_related("adapter_version")) if conversation else []
+    turns = list(conversation.turns.all()) if conversation else []
+    branch = services.shown_branch(conversation) if conversation else []
     feedback = _feedback_by_turn(turns, request.user)
-    branch = shown_branch(turns)
-    children = _children(turns)
     rows = []
+    cut_before = _cut_before(branch)
     for turn in branch:
         if turn.role == Turn.Role.SYSTEM:
             continue
-        siblings = children.get(turn.parent_id, [])
+        payload = services.turn_payload(turn)
         rows.append({
             "turn": turn,
             "feedback": feedback.get(turn.pk, {}),
-            "sibling_pos": siblings.index(turn) + 1 if turn in siblings else 1,
-            "sibling_count": max(len(siblings), 1),
-            "version_label": _version_label(turn),
+            "version": payload["version"],
+            "siblings": payload.get("siblings") or {"count": 1, "position": 1},
+            "cut_before": turn.pk == cut_before,
         })
-    cut_before = _cut_before(branch)
-    for row in rows:
-        row["cut_before"] = row["turn"].pk == cut_before
     data = {
         "agent_id": agent.pk,
+        "agent_name": agent.name,
         "conversation_id": conversation.pk if conversation else None,
         "conversation_title": conversation.title if conversation else "",
         "conversation_url_template": reverse("chat:conversation", kwargs={"conversation_id": 0}),
@@ -146,7 +144,7 @@ def _render_chat(request, agent, conversation):
         "max_message_chars": settings.MAX_MESSAGE_CHARS,
         "max_correction_chars": settings.MAX_CORRECTION_CHARS,
         "reasons": THUMB_REASONS,
-        "turns": [turn_data(t, feedback.get(t.pk, {})) for t in turns],
+        "turns": [{**services.turn_payload(t), "feedback": feedback.get(t.pk, {})} for t in turns],
     }
     return render(request, "chat/chat.html", {
         "agent": agent,
@@ -157,28 +155,6 @@ def _render_chat(request, agent, conversation):
         "chat_data": data,
         "can_edit_agent": agent.owner_id == request.user.pk,
     })
-
-
-def _children(turns):
-    """Children of each turn id (None for the roots), oldest first."""
-    children = {}
-    for turn in sorted(turns, key=lambda t: (t.created_at, t.pk)):
-        children.setdefault(turn.parent_id, []).append(turn)
-    return children
-
-
-def shown_branch(turns):
-    """The branch a conversation shows: from the root, always the latest child.
-
-    Regenerated replies are siblings under one parent, and the newest one is shown.
-    """
-    children = _children(turns)
-    branch, parent_id = [], None
-    while children.get(parent_id):
-        turn = children[parent_id][-1]
-        branch.append(turn)
-        parent_id = turn.pk
-    return branch
 
 
 def _cut_before(branch):
@@ -194,14 +170,6 @@ def _cut_before(branch):
         if turn.index >= start:
             return turn.pk
     return None
-
-
-def _version_label(turn):
-    if turn.adapter_version_id:
-        return turn.adapter_version.label
-    if turn.adapter_name:
-        return turn.adapter_name.rsplit("-", 1)[-1]
-    return "base"
 
 
 def _feedback_by_turn(turns, user):
@@ -220,29 +188,8 @@ def _feedback_by_turn(turns, user):
     return state
 
 
-def turn_data(turn, feedback):
-    return {
-        "id": turn.pk,
-        "parent_id": turn.parent_id,
-        "index": turn.index,
-        "role": turn.role,
-        "content": turn.content,
-        "status": turn.status,
-        "error": turn.error,
-        "version_label": _version_label(turn),
-        "context_start_index": turn.context_start_index,
-        "created_at": turn.created_at.isoformat(),
-        "feedback": feedback,
-    }
-
-
 def _sidebar_groups(user, agent, query):
     """The user's conversations with an agent, newest first, grouped like Open WebUI."""
-    conversations = Conversation.objects.filter(user=user, agent=agent)
-    if query:
-        conversations = conversations.filter(
-            Q(title__icontains=query) | Q(turns__content__icontains=query)
-        ).distinct()
     today = timezone.localdate()
     labels = [
         ("Today", today),
@@ -251,7 +198,7 @@ def _sidebar_groups(user, agent, query):
         ("Older", None),
     ]
     groups = {label: [] for label, _ in labels}
-    for conversation in conversations.order_by("-updated_at")[:200]:
+    for conversation in services.search_conversations(user, agent, query)[:200]:
         day = timezone.localdate(conversation.updated_at)
         for label, since in labels:
             if since is None or day >= since:
