@@ -158,3 +158,21 @@ class AuditEvent(models.Model):
 
     def delete(self, *args, **kwargs):
         raise PermissionError("The audit log is append-only.")
+
+
+class Judgement(models.Model):
+    """What the classifier (rules or LLM judge) read in a comment or next-state message.
+
+    Kept apart from the samples because samples are only built on approval, and a reviewer
+    should see the verdict (and the judge's votes) before approving.
+    """
+
+    feedback = models.OneToOneField("chat.Feedback", on_delete=models.CASCADE, related_name="judgement")
+    classifier = models.CharField(max_length=32, help_text="rules or llm_judge.")
+    score = models.SmallIntegerField(default=0, help_text="+1, -1 or 0 (ambiguous).")
+    hint = models.TextField(blank=True)
+    details = models.JSONField(default=dict, blank=True, help_text="Matched patterns, or the judge's votes.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self):
+        return f"{self.classifier} {self.score:+d} on feedback {self.feedback_id}"
