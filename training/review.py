@@ -87,7 +87,7 @@ def is_reserved_by_other(feedback, reviewer, now=None):
 
 def _lock(feedback, reviewer):
     """Re-read the row under a lock and check that `reviewer` may act on it."""
-    locked = Feedback.objects.select_for_update().select_related("reserved_by").get(pk=feedback.pk)
+    locked = Feedback.objects.select_for_update(of=("self",)).select_related("reserved_by").get(pk=feedback.pk)
     if is_reserved_by_other(locked, reviewer):
         raise ReservedByOther(locked)
     return locked
