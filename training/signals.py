@@ -142,28 +142,26 @@ def classify(agent, text, *, response_text=""):
 
 
 def context_for_turn(turn):
-    """c: the messages an assistant turn answered, oldest first, as the model saw them.
-
-    Follows the turn's parent chain (the shown branch at generation time), drops turns the
-    context window cut (context_start_index) but keeps system messages, and adds the agent's
-    system prompt when the conversation stored none.
+    """c: the messages an assistant turn answered, as chat built them (chat.context.build_prompt):
+    the agent's system prompt joined with leading system turns, then the usable history of the
+    turn's branch from the first turn that fit the context window (context_start_index).
     """
+    from chat import context as chat_context
+
     chain = []
     node = turn.parent
     while node is not None:
         chain.append(node)
         node = node.parent
     chain.reverse()
-    start = turn.context_start_index
-    messages = [
-        {"role": t.role, "content": t.content}
-        for t in chain
-        if t.role == t.Role.SYSTEM or start is None or t.index >= start
-    ]
-    agent = turn.conversation.agent
-    if agent.system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": agent.system_prompt})
-    return messages
+    history = chat_context.usable_history(chain)
+    extra_system = []
+    while history and history[0].role == "system":
+        extra_system.append(history.pop(0).content)
+    system = chat_context.system_message(turn.conversation.agent, extra_system)
+    if turn.context_start_index is not None:
+        history = [t for t in history if t.index >= turn.context_start_index]
+    return ([system] if system else []) + [chat_context.turn_message(t) for t in history]
 
 
 def append_hint(messages, hint):
