@@ -86,11 +86,11 @@ def count_tokens(messages, tokenizer=None):
     if tokenizer is not None:
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            return len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         except Exception:  # no chat template, or a template that rejects this role order
             try:
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-                return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                return len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
             except Exception:
                 logger.warning("tokenizing the prompt failed; estimating", exc_info=True)
     chars = len(json.dumps(messages, ensure_ascii=False))
