@@ -11,6 +11,8 @@ does not exist" for an adapter (it restarted and lost its adapters) is handed to
 `on_missing_adapter` callback, which reloads it from the store, and the request is retried once.
 
 The client never touches the database: the reload callback lives in `serving.services`.
+Requests are built from `serving.protocol`'s models; responses are read as plain JSON, because
+vLLM's carry fields our models don't list (`system_fingerprint`, `kv_transfer_params`, ...).
 """
 import asyncio
 import contextvars
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 
 import httpx
 from django.conf import settings
+
+from serving import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -228,24 +232,21 @@ class InferenceClient:
 
     def _chat_body(self, messages, adapter, params, *, stream):
         params = params or SamplingParams()
-        body = {
-            "model": adapter or self.base_model,
-            "messages": list(messages),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "stream": stream,
-            "logprobs": True,
+        request = protocol.ChatCompletionRequest(
+            messages=list(messages),
+            model=adapter or self.base_model,
+            logprobs=True,
+            max_tokens=params.max_tokens,
+            seed=params.seed,
+            stop=list(params.stop) if params.stop else None,
+            stream=stream,
+            stream_options=protocol.StreamOptions(include_usage=True) if stream else None,
+            temperature=params.temperature,
+            top_p=params.top_p,
             # vLLM extra: token ids of the prompt and of every generated token.
-            "return_token_ids": True,
-        }
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.stop:
-            body["stop"] = list(params.stop)
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        return body
+            return_token_ids=True,
+        )
+        return request.model_dump(mode="json", exclude_none=True)
 
     # -- chat -----------------------------------------------------------------------
 
@@ -318,7 +319,7 @@ class InferenceClient:
 
     async def _load_one(self, url, name, path):
         """Load on one replica. Returns True if loaded now, False if it already held the name."""
-        body = {"lora_name": name, "lora_path": str(path)}
+        body = protocol.LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path)).model_dump(exclude_none=True)
         try:
             response = await self._http().post(url + "/v1/load_lora_adapter", json=body)
         except httpx.TransportError as exc:
@@ -350,7 +351,7 @@ class InferenceClient:
 
     async def _unload_one(self, url, name):
         try:
-            response = await self._http().post(url + "/v1/unload_lora_adapter", json={"lora_name": name})
+            response = await self._http().post(url + "/v1/unload_lora_adapter", json=protocol.UnloadLoRAAdapterRequest(lora_name=name).model_dump(exclude_none=True))
         except httpx.TransportError as exc:
             logger.warning("Could not unload %s from %s: %s", name, url, type(exc).__name__)
             return False

@@ -263,6 +263,24 @@ def ensure_replica_adapters(client=None):
     return loaded
 
 
+def _verified_serveable(name):
+    """The version named `name` if it may be served and its files verify, else None.
+
+    Runs in a worker thread of its own and closes that thread's connection, so the hook leaves
+    no connection behind in whatever thread pool called it.
+    """
+    try:
+        version = _serveable(AdapterVersion.objects.filter(name=name).first())
+        if version is not None:
+            verify(version.path, version.sha256)
+        return version
+    except AdapterIntegrityError as exc:
+        logger.error("Not restoring %s: %s", name, exc)
+        return None
+    finally:
+        connection.close()
+
+
 async def arestore_adapter(client, url, name):
     """The client's reload-on-404 hook: load version `name` on replica `url` from the store.
 
@@ -270,13 +288,12 @@ async def arestore_adapter(client, url, name):
     are made with the name `aactive_version_for` returned, so this may be a version deactivated a
     moment ago; loading it under its own name again is a fresh load, never an in-place reload.
     """
-    version = await AdapterVersion.objects.filter(name=name).afirst()
-    if _serveable(version) is None:
+    version = await sync_to_async(_verified_serveable, thread_sensitive=False)(name)
+    if version is None:
         return False
     try:
-        await sync_to_async(verify, thread_sensitive=False)(version.path, version.sha256)
         await client.load_adapter(name, version.path, urls=[url])
-    except (AdapterIntegrityError, InferenceFailure) as exc:
+    except InferenceFailure as exc:
         logger.error("Could not restore %s on %s: %s", name, url, exc)
         return False
     return True
