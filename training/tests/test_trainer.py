@@ -1,0 +1,97 @@
+"""The numeric loop on the tiny real model: it learns, it guards, it cancels, it saves for vLLM."""
+import json
+import math
+
+import pytest
+import torch
+
+from training.config import TrainingConfig
+from training.trainer import Cancelled, Example, GuardFailed, load_policy, template_ids, train
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def turn_data(tiny_model_dir):
+    """A sampled reply with its stored ids and logprobs, as the engine would record them."""
+    tokenizer, model = load_policy(tiny_model_dir, None, TrainingConfig(), torch.device("cpu"))
+    prompt = template_ids(tokenizer, QUESTION)
+    torch.manual_seed(1)
+    with torch.no_grad(), model.disable_adapter():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=True, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    response = out.sequences[0, len(prompt):].tolist()
+    old = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, response)]
+    return prompt, response, old
+
+
+def examples(turn_data, reward=-1.0):
+    prompt, response, old = turn_data
+    hinted = [{"role": "user", "content": QUESTION[0]["content"] + "\n\n[user's hint / instruction]\none word"}]
+    return [
+        Example(kind="eval", sample_id=1, prompt_ids=prompt, response_ids=response, old_logprobs=old, reward=reward),
+        Example(kind="directive", sample_id=2, messages=hinted, target_text="Paris."),
+        Example(kind="hint", sample_id=3, prompt_ids=prompt, response_ids=response, old_logprobs=old, messages=hinted),
+    ]
+
+
+def run(tiny_model_dir, tmp_path, exs, **overrides):
+    config = TrainingConfig(**{"steps_per_job": 3, "lr": 1e-3, **overrides})
+    return train(config, exs, base_model_path=tiny_model_dir, init_adapter_dir=None, out_dir=tmp_path / "out",
+                 served_model_name="base", device="cpu")
+
+
+def test_combined_job_raises_log_p_of_target_and_saves_vllm_safe_adapter(tiny_model_dir, tmp_path, turn_data):
+    metrics = run(tiny_model_dir, tmp_path, examples(turn_data))
+    assert metrics["logp_target_after"] > metrics["logp_target_before"]
+    assert metrics["samples_used"] == 2 and metrics["samples_skipped"] == [3]  # hint needs teacher mode
+    assert all(math.isfinite(metrics[k]) for k in ("loss", "loss_ppo", "loss_opd", "probe_kl"))
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "base"
+    assert config["r"] == 16 and config["bias"] == "none" and not config.get("use_dora")
+    assert not config.get("modules_to_save")
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "out" / "adapter_model.bin").exists()
+
+
+def test_teacher_mode_uses_hint_samples(tiny_model_dir, tmp_path, turn_data):
+    metrics = run(tiny_model_dir, tmp_path, examples(turn_data), opd_mode="teacher", method="opd")
+    assert metrics["hint_samples"] == 1 and metrics["eval_samples"] == 0
+    assert math.isfinite(metrics["loss_teacher"])
+
+
+def test_nan_loss_fails_the_guard_and_saves_nothing(tiny_model_dir, tmp_path, turn_data):
+    with pytest.raises(GuardFailed, match="non-finite"):
+        run(tiny_model_dir, tmp_path, examples(turn_data, reward=float("nan")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_kl_guard_stops_a_runaway_update(tiny_model_dir, tmp_path, turn_data):
+    with pytest.raises(GuardFailed, match="KL"):
+        run(tiny_model_dir, tmp_path, examples(turn_data)[:1], method="binary", lr=0.05, kl_guard=1e-6, steps_per_job=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cancel_stops_before_the_next_step(tiny_model_dir, tmp_path, turn_data):
+    config = TrainingConfig(steps_per_job=5)
+    calls = []
+    with pytest.raises(Cancelled):
+        train(config, examples(turn_data), base_model_path=tiny_model_dir, init_adapter_dir=None,
+              out_dir=tmp_path / "out", served_model_name="base", device="cpu",
+              should_stop=lambda: len(calls) >= 1, progress=lambda p, m: calls.append(p))
+    assert calls == [20] and not (tmp_path / "out").exists()
+
+
+def test_continues_from_an_existing_adapter(tiny_model_dir, tmp_path, turn_data):
+    run(tiny_model_dir, tmp_path, examples(turn_data))
+    config = TrainingConfig(steps_per_job=1)
+    metrics = train(config, examples(turn_data), base_model_path=tiny_model_dir, init_adapter_dir=tmp_path / "out",
+                    out_dir=tmp_path / "out2", served_model_name="base", device="cpu")
+    assert metrics["steps"] == 1 and (tmp_path / "out2" / "adapter_model.safetensors").exists()
+
+
+def test_config_rejects_ranks_vllm_cannot_serve():
+    with pytest.raises(ValueError, match="lora_rank"):
+        TrainingConfig(lora_rank=12)
+    with pytest.raises(ValueError, match="method"):
+        TrainingConfig(method="dpo")
