@@ -270,7 +270,7 @@ class Engine:
         request = _Request(
             request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
             adapter=adapter, adapter_path=adapter_path,
-            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+            emit=_emitter(loop, queue))
         if adapter is not None:
             with self._slot_lock:
                 resident = adapter in self._resident
@@ -580,6 +580,17 @@ def _sample(logits, temperature, top_p, generator):
         keep[0] = True
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _emitter(loop, queue):
+    """A callable the model thread uses to hand outputs to the request's event loop."""
+    def emit(item):
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is gone; its abort is on the way
+            pass
+
+    return emit
 
 
 def _threadsafe_setter(future):
