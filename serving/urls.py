@@ -1,4 +1,8 @@
 from django.urls import path
 
+from serving import views
+
 app_name = "serving"
-urlpatterns: list = []
+urlpatterns = [
+    path("healthz", views.healthz, name="healthz"),
+]
