@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------
 
 
-@shared_task(queue="default", acks_late=True)
+@shared_task(acks_late=True)
 def process_feedback(feedback_id):
     """Classify comments and next-state messages, then approve now or hold for review."""
     from chat.models import Feedback
@@ -247,7 +247,7 @@ def execute_job(job):
     return job
 
 
-@shared_task(queue="training", acks_late=True, reject_on_worker_lost=True)
+@shared_task(acks_late=True, reject_on_worker_lost=True)  # routed to `training` (settings)
 def run_training_job(job_id):
     """Run one queued training job (the fairest one, see claim_job)."""
     job = claim_job(job_id)
@@ -262,7 +262,7 @@ def run_training_job(job_id):
         _release_job_lock(job.pk)
 
 
-@shared_task(queue="default")
+@shared_task
 def enforce_adapter_retention():
     """Delete files of versions beyond the newest ADAPTER_KEEP_LAST per (user, agent), never the
     active or a pinned one; the rows stay (state deleted) so history and audit still read."""

@@ -1,0 +1,183 @@
+"""Task bodies run in-process on the real DB (the worker-subprocess tests are in test_loop.py)."""
+import pytest
+from django.utils import timezone
+
+from chat.tests.factories import engine, live_engine, model_settings  # noqa: F401  (fixtures)
+from serving.models import AdapterVersion
+from training import services, tasks
+from training.models import AuditEvent, TrainingJob, TrainingSample
+
+from .factories import AgentFactory, ConversationFactory, FeedbackFactory, UserFactory, reply_with_context
+
+
+def make_ready_samples(user, agent, n, **fields):
+    conversation = ConversationFactory(user=user, agent=agent)
+    out = []
+    for _ in range(n):
+        reply = reply_with_context(conversation, **fields)
+        fb = FeedbackFactory(turn=reply, author=user, kind="thumb_down", status="approved")
+        from training.signals import build_samples
+
+        out += build_samples(fb)
+    return out
+
+
+# Feedback processing
+# ------------------------------------------------------------------------------
+
+
+def test_thumb_is_auto_approved_under_default_policy(db):
+    fb = FeedbackFactory(kind="thumb_up")
+    assert tasks.process_feedback(fb.pk) == "approved"
+    fb.refresh_from_db()
+    assert fb.status == "approved" and fb.verdict == "+1"
+    assert fb.samples.get().reward == 1.0
+
+
+def test_correction_is_held_under_default_policy(db):
+    fb = FeedbackFactory(kind="correction", corrected_text="Paris")
+    assert tasks.process_feedback(fb.pk) == "held"
+    fb.refresh_from_db()
+    assert fb.status == "pending" and "reviewed" in fb.hold_reason and not fb.samples.exists()
+    assert AuditEvent.objects.filter(action="hold_feedback", target_id=str(fb.pk)).exists()
+
+
+def test_process_feedback_is_idempotent(db):
+    fb = FeedbackFactory(kind="thumb_up")
+    tasks.process_feedback(fb.pk)
+    assert tasks.process_feedback(fb.pk) == "already processed"
+    assert fb.samples.count() == 1
+
+
+def test_implicit_message_is_classified_korean(db):
+    agent = AgentFactory(review_policy="auto_all")
+    reply = reply_with_context(ConversationFactory(agent=agent))
+    fb = FeedbackFactory(turn=reply, kind="implicit", comment="아니, 짧게 해줘")
+    tasks.process_feedback(fb.pk)
+    fb.refresh_from_db()
+    assert fb.verdict == "-1+hint" and fb.judgement.hint == "짧게 해줘"
+    assert sorted(s.reward is None for s in fb.samples.all()) == [False, True]
+
+
+def test_neutral_implicit_message_stays_out_of_the_queue(db):
+    fb = FeedbackFactory(kind="implicit", comment="what about Germany?")
+    assert tasks.process_feedback(fb.pk) == "no signal"
+    fb.refresh_from_db()
+    assert fb.status == "rejected" and not fb.samples.exists()
+
+
+def test_withdrawn_feedback_discards_ready_samples(db, django_capture_on_commit_callbacks):
+    fb = FeedbackFactory(kind="thumb_up")
+    tasks.process_feedback(fb.pk)
+    fb.withdrawn = True
+    fb.save(update_fields=["withdrawn"])
+    assert tasks.process_feedback(fb.pk) == "withdrawn"
+    assert fb.samples.get().state == TrainingSample.State.DISCARDED
+
+
+def test_feedback_receiver_enqueues_after_commit(db, django_capture_on_commit_callbacks, monkeypatch):
+    sent = []
+    monkeypatch.setattr(tasks.process_feedback, "apply_async", lambda args, queue: sent.append((args, queue)))
+    with django_capture_on_commit_callbacks(execute=True):
+        fb = FeedbackFactory(kind="thumb_up")
+    assert sent == [([fb.pk], "default")]
+
+
+# Jobs
+# ------------------------------------------------------------------------------
+
+
+def test_one_open_job_per_user_agent(db):
+    user, agent = UserFactory(), AgentFactory()
+    make_ready_samples(user, agent, 2)
+    assert services.request_training(user, agent, trigger="manual") is not None
+    assert services.request_training(user, agent, trigger="manual") is None
+    assert TrainingJob.objects.filter(user=user, agent=agent).count() == 1
+
+
+def test_batch_size_triggers_a_job(db):
+    user, agent = UserFactory(), AgentFactory(batch_size=3)
+    make_ready_samples(user, agent, 2)
+    assert services.maybe_request_training(user, agent) is None
+    make_ready_samples(user, agent, 1)
+    assert services.maybe_request_training(user, agent).trigger == "auto"
+
+
+def test_paused_training_queues_nothing(db, staff_user):
+    user, agent = UserFactory(), AgentFactory()
+    make_ready_samples(user, agent, 1)
+    services.pause_training(user=user, actor=staff_user, reason="abuse report")
+    assert services.is_training_paused(user, agent)
+    assert services.request_training(user, agent, trigger="manual") is None
+    services.resume_training(user=user, actor=staff_user)
+    assert not services.is_training_paused(user, agent)
+
+
+def test_fair_scheduling_serves_users_round_robin(db):
+    heavy, light = UserFactory(), UserFactory()
+    jobs = [TrainingJob.objects.create(user=heavy, agent=AgentFactory(), method="binary") for _ in range(3)]
+    jobs.append(TrainingJob.objects.create(user=light, agent=AgentFactory(), method="binary"))
+    order = []
+    for job in jobs:  # each queued job's message claims the fairest queued job
+        claimed = tasks.claim_job(job.pk)
+        order.append(claimed.user_id)
+        claimed.state = TrainingJob.State.SUCCEEDED
+        claimed.finished_at = timezone.now()
+        claimed.save()
+    # FIFO would be heavy, heavy, heavy, light.
+    assert order == [heavy.pk, light.pk, heavy.pk, heavy.pk]
+
+
+def test_cancel_queued_job(db, staff_user):
+    user, agent = UserFactory(), AgentFactory()
+    make_ready_samples(user, agent, 1)
+    job = services.request_training(user, agent, trigger="manual")
+    services.cancel_job(job, actor=user)
+    job.refresh_from_db()
+    assert job.state == "cancelled"
+    assert tasks.claim_job(job.pk) is None  # its message finds nothing to run
+
+
+@pytest.fixture
+def tiny_job(db, model_settings):
+    user, agent = UserFactory(), AgentFactory(steps_per_job=2, learning_rate=1e-3, training_method="binary")
+    from training.trainer import load_policy, template_ids
+    from training.config import TrainingConfig
+    import torch
+
+    tokenizer, _ = load_policy(model_settings.MODEL, None, TrainingConfig(), torch.device("cpu"))
+    prompt = template_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    make_ready_samples(user, agent, 2, prompt_token_ids=prompt, token_ids=[40, 41, 42],
+                       logprobs=[-2.0, -2.5, -3.0])
+    job = services.request_training(user, agent, trigger="manual")
+    return tasks.claim_job(job.pk)
+
+
+def test_nan_loss_fails_job_and_publishes_nothing(tiny_job):
+    TrainingSample.objects.filter(job__isnull=True).update(reward=float("nan"))
+    job = tasks.execute_job(tiny_job)
+    assert job.state == "failed" and "non-finite" in job.error
+    assert not AdapterVersion.objects.exists()
+    assert set(TrainingSample.objects.values_list("state", flat=True)) == {"ready"}
+    assert not tasks.staging_dir(job.pk).exists()
+
+
+def test_cancel_running_job_publishes_nothing(tiny_job):
+    services.cancel_job(tiny_job, actor=tiny_job.user)
+    job = tasks.execute_job(TrainingJob.objects.get(pk=tiny_job.pk))
+    assert job.state == "cancelled" and not AdapterVersion.objects.exists()
+    assert set(TrainingSample.objects.values_list("state", flat=True)) == {"ready"}
+
+
+def test_job_publishes_activates_once_and_audits(tiny_job, live_engine):
+    job = tasks.execute_job(tiny_job)
+    assert job.state == "succeeded", job.error
+    version = AdapterVersion.objects.get()
+    assert version.is_active and job.result_version == version
+    assert version.config["method"] == "binary" and "loss" in version.metrics
+    assert set(TrainingSample.objects.values_list("state", flat=True)) == {"used"}
+    assert AuditEvent.objects.filter(action="activate", target_id=str(version.pk)).exists()
+    # A redelivered message after a crash finds the job published: no second version.
+    TrainingJob.objects.filter(pk=job.pk).update(state="running")
+    tasks.execute_job(TrainingJob.objects.get(pk=job.pk))
+    assert AdapterVersion.objects.count() == 1
