@@ -7,7 +7,7 @@ import functools
 import json
 
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.db import transaction
@@ -316,14 +316,14 @@ async def v1_chat_completions(request):
     if request.method != "POST":
         return error_response(405, "Use POST.", code="method_not_allowed")
     try:
-        user, key = await sync_to_async(authenticate)(request, allow_session=False)
+        user, key = await database_sync_to_async(authenticate)(request, allow_session=False)
     except AuthFailed as exc:
         return error_response(401, exc.message, code="invalid_api_key")
     try:
         body = _parse_json(request)
         model, messages, sampling, stream, include_usage = parse_completion_request(body)
         session_key, turn_type, done = _session_headers(request)
-        agent = await sync_to_async(services.agent_for_model)(user, model)
+        agent = await database_sync_to_async(services.agent_for_model)(user, model)
         retry = await ratelimit.ahit("messages", user.pk, ratelimit.message_limit())
         if retry is not None:
             raise services.RateLimited(retry)
