@@ -1,0 +1,503 @@
+"""Personalization benchmark: does the platform learn each user's preference, how fast, and at what cost?
+
+Simulated users talk to the real platform through its public interfaces: replies come from
+`POST /v1/chat/completions` (API key, served by the built-in engine with the user's active
+adapter), feedback goes to `POST /api/turns/<id>/feedback` (the browser's endpoint), training runs
+as real Celery jobs in a worker subprocess, and each new version goes live through hot-load.
+Nothing here calls the trainer.
+
+Run:
+    python manage.py bench_personalization [--quick] [--preferences FILE]
+    python bench/personalization.py --quick
+
+Prints one `NAME=value` line per figure and writes docs/benchmarks/personalization/
+(results.json, results.md, adherence.png).
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import uuid
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+METHODS = ("none", "binary", "opd", "combined", "offline")
+TRAINED_ONLINE = ("binary", "opd", "combined")
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+@dataclass
+class BenchConfig:
+    preferences: Path = field(default=REPO / "bench" / "preferences.json", metadata={"help": "Preference JSON file."})
+    only: tuple = field(default=(), metadata={"help": "Names of the preferences to run (empty: all)."})
+    methods: tuple = METHODS
+    checkpoints: tuple = (0, 2, 4, 8, 16)  # update steps (published jobs) at which adherence is measured
+    eval_prompts: int = 24  # held-out prompts for adherence, per checkpoint
+    retention_questions: int = 40  # held-out questions for skill retention
+    leakage_prompts: int = 8  # bystander prompts that must stay bit-identical
+    batch_size: int = 4  # samples that trigger a job (the agent's batch size)
+    steps_per_job: int = 8
+    learning_rate: float = 1e-3
+    lora_rank: int = 16
+    alpha: float = 0.5
+    temperature: float = 0.7  # sampling temperature of interaction replies
+    max_tokens: int = 48
+    seed: int = 0
+    model: str = ""  # empty: settings.MODEL
+    device: str = "cpu"
+    out: Path = REPO / "docs" / "benchmarks" / "personalization"
+    job_timeout_s: float = 900.0
+
+    @classmethod
+    def quick(cls, **overrides):
+        base = dict(only=("signoff_zorblat", "shouting", "terse"), checkpoints=(0, 2, 4),
+                    eval_prompts=12, retention_questions=16, leakage_prompts=4)
+        return cls(**{**base, **overrides})
+
+    @property
+    def max_steps(self):
+        return max(self.checkpoints)
+
+
+# Processes: engine and worker
+# ------------------------------------------------------------------------------
+
+
+def database_url():
+    from django.db import connection
+
+    db = connection.settings_dict
+    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"postgres://{db['USER']}{password}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+@contextmanager
+def worker_process(env, log_dir):
+    import subprocess
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"bench-worker-{os.getpid()}.log"
+    command = [sys.executable, "-m", "celery", "-A", "clawplatform", "worker", "-Q", "default,training", "-c", "1",
+               "--pool=solo", "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "--without-gossip", "--without-mingle"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process.log_path = log_path
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def platform_processes(config, model_dir, adapter_root):
+    """Start the engine and a Celery worker that share this process's database and Redis prefix."""
+    from django.conf import settings
+
+    from clawplatform.celery import app as celery_app
+    from serving.engine.testing import run_engine_server
+
+    prefix = f"claw-bench-{uuid.uuid4().hex[:8]}"
+    settings_env = {
+        "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local",
+        "DEBUG": "false",
+        "DATABASE_URL": database_url(),
+        "REDIS_URL": settings.REDIS_URL,
+        "REDIS_KEY_PREFIX": prefix,
+        "MODEL": str(model_dir),
+        "ADAPTER_ROOT": str(adapter_root),
+        "TRAIN_DEVICE": config.device,
+        "PYTHONUNBUFFERED": "1",
+    }
+    # This process enqueues the jobs: it must use the worker's private queue keys.
+    transport = {**settings.CELERY_BROKER_TRANSPORT_OPTIONS, "global_keyprefix": f"{prefix}:celery:"}
+    celery_app.conf.broker_transport_options = transport
+    settings.ADAPTER_ROOT = adapter_root
+    settings.MODEL = str(model_dir)
+    with ExitStack() as stack:
+        engine = stack.enter_context(run_engine_server(
+            model_dir, env={**settings_env, "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local"},
+            extra_args=("--device", config.device)))
+        settings.INFERENCE_URLS = [engine.url]
+        worker = stack.enter_context(worker_process({**os.environ, **settings_env, "INFERENCE_URL": engine.url},
+                                                    REPO / "var" / "bench-logs"))
+        yield engine, worker
+
+
+def wait_until(predicate, *, timeout, what, worker=None, interval=0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if worker is not None and worker.poll() is not None:
+            raise RuntimeError(f"worker exited: {worker.log_path.read_text()[-3000:]}")
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+# The simulated user, through the public HTTP interfaces
+# ------------------------------------------------------------------------------
+
+
+class SimulatedUser:
+    """One person with a hidden preference, an API key, and a browser session."""
+
+    def __init__(self, name, agent_settings, preference=None):
+        from django.contrib.auth import get_user_model
+        from django.test import Client
+
+        from chat.models import Agent, ApiKey
+
+        user_model = get_user_model()
+        self.user = user_model.objects.create_user(username=name, password=uuid.uuid4().hex)
+        self.agent = Agent.objects.create(owner=self.user, name=name, slug=name, system_prompt=SYSTEM_PROMPT,
+                                          review_policy=Agent.ReviewPolicy.AUTO_ALL, **agent_settings)
+        _, self.api_key = ApiKey.objects.create_key(self.user, "bench")
+        self.preference = preference
+        self.api = Client(HTTP_AUTHORIZATION=f"Bearer {self.api_key}", SERVER_NAME="localhost")
+        self.browser = Client(SERVER_NAME="localhost", enforce_csrf_checks=False)
+        self.browser.force_login(self.user)
+        self.sessions = 0
+
+    def complete(self, messages, *, session, greedy, side=False, max_tokens=None, done=False):
+        body = {"model": self.agent.slug, "messages": messages}
+        if greedy:
+            body.update(temperature=0.0, seed=0)
+        if max_tokens:
+            body["max_tokens"] = max_tokens
+        headers = {"HTTP_X_SESSION_ID": session, "HTTP_X_TURN_TYPE": "side" if side else "main"}
+        if done:
+            headers["HTTP_X_SESSION_DONE"] = "1"
+        response = self.api.post("/v1/chat/completions", json.dumps(body), content_type="application/json",
+                                 **headers)
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/chat/completions answered {response.status_code}: {response.content[:300]}")
+        data = response.json()
+        return data["choices"][0]["message"]["content"], int(response["X-Turn-Id"])
+
+    def feedback(self, turn_id, **payload):
+        response = self.browser.post(f"/api/turns/{turn_id}/feedback", json.dumps(payload),
+                                     content_type="application/json")
+        if response.status_code != 201:
+            raise RuntimeError(f"feedback answered {response.status_code}: {response.content[:300]}")
+
+    def ask_greedy(self, question):
+        self.sessions += 1
+        text, _ = self.complete([{"role": "user", "content": question}], session=f"eval-{self.sessions}",
+                                greedy=True, side=True, done=True)
+        return text
+
+
+def react(user, reply, turn_id, *, method):
+    """The user's explicit feedback; returns the opening of their next message (the implicit signal)."""
+    if user.preference.check(reply):
+        user.feedback(turn_id, kind="thumb_up")
+        return "Thanks! "
+    user.feedback(turn_id, kind="thumb_down", reason="Wrong style")
+    if method != "binary":
+        user.feedback(turn_id, kind="correction", corrected_text=user.preference.transform(reply),
+                      comment=user.preference.description)
+    return "No, that's not how I like it. "
+
+
+def interact(user, questions, *, method):
+    """One two-message session: ask, react, ask again (the next-state signal), react."""
+    user.sessions += 1
+    session = f"train-{user.sessions}"
+    messages = [{"role": "user", "content": next(questions)}]
+    reply, turn_id = user.complete(messages, session=session, greedy=False)
+    opening = react(user, reply, turn_id, method=method)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": opening + next(questions)}]
+    reply, turn_id = user.complete(messages, session=session, greedy=False, done=True)
+    react(user, reply, turn_id, method=method)
+    return 2
+
+
+def feedback_processed(user):
+    from chat.models import Feedback
+
+    return not Feedback.objects.filter(author=user.user, verdict="", status=Feedback.Status.PENDING).exists()
+
+
+def finished_jobs(user):
+    from training.models import TrainingJob
+
+    return TrainingJob.objects.filter(user=user.user, state__in=["succeeded", "failed", "cancelled"])
+
+
+def run_until_step(user, questions, *, method, target_steps, worker, config, log):
+    """Interact until `target_steps` jobs have published; returns interactions spent."""
+    from training.models import TrainingJob
+
+    interactions = 0
+    while finished_jobs(user).filter(state="succeeded").count() < target_steps:
+        interactions += interact(user, questions, method=method)
+        wait_until(lambda: feedback_processed(user), timeout=120, what="feedback processing", worker=worker)
+        job = TrainingJob.objects.filter(user=user.user, state__in=TrainingJob.OPEN_STATES).first()
+        if job is not None:
+            wait_until(lambda: not TrainingJob.objects.filter(pk=job.pk, state__in=TrainingJob.OPEN_STATES).exists(),
+                       timeout=config.job_timeout_s, what=f"job {job.pk}", worker=worker)
+            job.refresh_from_db()
+            if job.state != "succeeded":
+                log(f"  job {job.pk} {job.state}: {job.error}")
+        if interactions > 40 * max(1, target_steps):
+            raise RuntimeError("no job published after many interactions: is training on?")
+    return interactions
+
+
+def train_offline(user, worker, config):
+    """'Offline': one OPD-only job on all logged corrections, started from the panel's "train now"."""
+    user.agent.training_enabled = True
+    user.agent.training_method = "offline"
+    user.agent.save(update_fields=["training_enabled", "training_method"])
+    response = user.browser.post(f"/training/agents/{user.agent.pk}/train/")
+    if response.status_code not in (200, 302):
+        raise RuntimeError(f"train now answered {response.status_code}")
+    wait_until(lambda: finished_jobs(user).exists(), timeout=config.job_timeout_s, what="offline job", worker=worker)
+
+
+# Measurements
+# ------------------------------------------------------------------------------
+
+
+def adherence(user, prompts):
+    replies = [user.ask_greedy(prompt) for prompt in prompts]
+    return sum(user.preference.check(reply) for reply in replies) / len(replies), replies
+
+
+def retention(user, questions):
+    from serving.demo_model.corpus import is_correct
+
+    return sum(is_correct(qa, user.ask_greedy(qa.question)) for qa in questions) / len(questions)
+
+
+def cycle(items):
+    while True:
+        yield from items
+
+
+@dataclass
+class ArmResult:
+    method: str
+    preference: str
+    adherence: dict = field(default_factory=dict)  # step -> fraction
+    interactions: dict = field(default_factory=dict)  # step -> interactions so far
+    wall_s: dict = field(default_factory=dict)  # step -> seconds so far
+    retention: float | None = None
+    jobs_failed: int = 0
+
+
+def run_arm(method, preference, config, *, prompts, worker, log):
+    """One simulated user with one preference under one method."""
+    from serving.demo_model.corpus import training_questions
+
+    name = f"{method}-{preference.name}".replace("_", "-")[:60]
+    settings = dict(training_method="combined" if method in ("none", "offline") else method,
+                    training_enabled=method in TRAINED_ONLINE, batch_size=config.batch_size,
+                    steps_per_job=config.steps_per_job, learning_rate=config.learning_rate,
+                    lora_rank=config.lora_rank, alpha=config.alpha, temperature=config.temperature,
+                    max_tokens=config.max_tokens)
+    user = SimulatedUser(name, settings, preference)
+    rng = random.Random(f"{config.seed}-{preference.name}")
+    pool = [qa.question for qa in training_questions()]
+    rng.shuffle(pool)
+    questions = cycle(pool)
+    result = ArmResult(method, preference.name)
+    start, interactions = time.monotonic(), 0
+    for step in config.checkpoints:
+        if method in TRAINED_ONLINE:
+            interactions += run_until_step(user, questions, method=method, target_steps=step, worker=worker,
+                                           config=config, log=log)
+        elif method == "offline" and step:
+            # Logs the same kind of traffic as the online arms, trains once at the end.
+            while interactions < result_interactions_hint(config, step):
+                interactions += interact(user, questions, method=method)
+            wait_until(lambda: feedback_processed(user), timeout=120, what="feedback processing", worker=worker)
+            if step == config.max_steps:
+                train_offline(user, worker, config)
+        if method in TRAINED_ONLINE or step in (0, config.max_steps) or method == "none":
+            result.adherence[step], _ = adherence(user, prompts["adherence"])
+        result.interactions[step] = interactions
+        result.wall_s[step] = round(time.monotonic() - start, 1)
+        log(f"  {method:9s} {preference.name:18s} step {step:2d}: adherence {result.adherence.get(step)} "
+            f"after {interactions} interactions, {result.wall_s[step]} s")
+    if method != "none":
+        result.retention = retention(user, prompts["retention"])
+    result.jobs_failed = finished_jobs(user).exclude(state="succeeded").count()
+    return result
+
+
+def result_interactions_hint(config, step):
+    # Offline logs about as many interactions as an online arm spends per step (2-3 per job).
+    return step * max(2, config.batch_size // 2)
+
+
+def bystander_replies(bystander, prompts):
+    return [bystander.ask_greedy(p) for p in prompts]
+
+
+# Report
+# ------------------------------------------------------------------------------
+
+
+def summarize(results, base_retention, leakage, config):
+    figures = {}
+    for method in config.methods:
+        arms = [r for r in results if r.method == method]
+        if not arms:
+            continue
+        for step in config.checkpoints:
+            values = [r.adherence[step] for r in arms if step in r.adherence]
+            if values:
+                figures[f"{method}_adherence_step{step}"] = round(sum(values) / len(values), 3)
+        if method == "offline":
+            figures["offline_adherence_final"] = figures.get(f"offline_adherence_step{config.max_steps}")
+        retentions = [r.retention for r in arms if r.retention is not None]
+        if retentions and base_retention:
+            figures[f"{method}_retention"] = round(sum(retentions) / len(retentions) / base_retention, 3)
+        figures[f"{method}_wall_s"] = round(sum(r.wall_s[config.max_steps] for r in arms), 1)
+    figures["base_accuracy"] = round(base_retention, 3)
+    figures["leakage"] = leakage
+    return figures
+
+
+def write_report(results, figures, config, out):
+    out.mkdir(parents=True, exist_ok=True)
+    raw = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+           "figures": figures, "arms": [asdict(r) for r in results]}
+    (out / "results.json").write_text(json.dumps(raw, indent=2, default=str))
+    steps = config.checkpoints
+    lines = ["| method | " + " | ".join(f"adherence @{s}" for s in steps) + " | retention | leakage |",
+             "|---" * (len(steps) + 3) + "|"]
+    for method in config.methods:
+        cells = [str(figures.get(f"{method}_adherence_step{s}", "–")) for s in steps]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {figures.get(f'{method}_retention', '–')} | "
+                     f"{figures['leakage']} |")
+    per_pref = ["", "| method | preference | " + " | ".join(f"@{s}" for s in steps) + " | interactions | retention |",
+                "|---" * (len(steps) + 4) + "|"]
+    for r in results:
+        per_pref.append(f"| {r.method} | {r.preference} | " + " | ".join(str(r.adherence.get(s, "–")) for s in steps)
+                        + f" | {r.interactions.get(config.max_steps)} | {r.retention} |")
+    (out / "results.md").write_text("\n".join(lines + per_pref) + "\n")
+    plot(results, config, out / "adherence.png")
+
+
+def plot(results, config, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in config.methods:
+        arms = [r for r in results if r.method == method]
+        steps = [s for s in config.checkpoints if all(s in r.adherence for r in arms)]
+        if arms and steps:
+            ax.plot(steps, [sum(r.adherence[s] for r in arms) / len(arms) for s in steps], marker="o", label=method)
+    ax.set_xlabel("update steps (published jobs)")
+    ax.set_ylabel("held-out adherence")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# Entry point
+# ------------------------------------------------------------------------------
+
+
+def run(config, *, log=print):
+    """Run the benchmark in the current database. Returns (figures, results)."""
+    import tempfile
+
+    from django.conf import settings
+
+    from bench.preferences import load_preferences
+    from serving.demo_model.corpus import heldout_questions
+
+    preferences = [p for p in load_preferences(config.preferences) if not config.only or p.name in config.only]
+    model_dir = Path(config.model or settings.MODEL)
+    heldout = heldout_questions(n=config.eval_prompts + config.retention_questions + config.leakage_prompts,
+                                seed=1234 + config.seed)
+    prompts = {"adherence": [qa.question for qa in heldout[: config.eval_prompts]],
+               "retention": heldout[config.eval_prompts: config.eval_prompts + config.retention_questions],
+               "leakage": [qa.question for qa in heldout[-config.leakage_prompts:]]}
+    with tempfile.TemporaryDirectory(prefix="claw-bench-") as tmp, \
+            platform_processes(config, model_dir, Path(tmp) / "adapters") as (_, worker):
+        bystander = SimulatedUser("bystander", {"training_enabled": False})
+        before = bystander_replies(bystander, prompts["leakage"])
+        base_retention = retention(bystander, prompts["retention"])
+        log(f"base accuracy on {len(prompts['retention'])} held-out questions: {base_retention:.3f}")
+        results = []
+        for preference in preferences:
+            for method in config.methods:
+                results.append(run_arm(method, preference, config, prompts=prompts, worker=worker, log=log))
+        after = bystander_replies(bystander, prompts["leakage"])
+        leakage = sum(a != b for a, b in zip(before, after))
+    figures = summarize(results, base_retention, leakage, config)
+    return figures, results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    options = vars(parser.parse_args(argv))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "clawplatform.settings.local")
+    sys.path.insert(0, str(REPO))
+    import django
+
+    django.setup()
+    execute(options)
+
+
+def add_arguments(parser):
+    parser.add_argument("--quick", action="store_true", help="3 preferences, steps 0/2/4: under 10 minutes.")
+    parser.add_argument("--preferences", type=Path, default=REPO / "bench" / "preferences.json")
+    parser.add_argument("--only", default="", help="Comma-separated preference names.")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--checkpoints", default="", help="Comma-separated update steps, e.g. 0,2,4,8,16.")
+    parser.add_argument("--model", default="", help="Model directory (default: settings.MODEL).")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "personalization")
+    parser.add_argument("--keep-db", action="store_true", help="Keep the benchmark's database afterwards.")
+
+
+def execute(options):
+    """Run in a fresh database of its own (like a test database) so no real data is touched."""
+    from django.db import connection
+
+    overrides = dict(preferences=options["preferences"], methods=tuple(options["methods"].split(",")),
+                     model=options["model"], device=options["device"], out=options["out"])
+    if options["only"]:
+        overrides["only"] = tuple(options["only"].split(","))
+    if options["checkpoints"]:
+        overrides["checkpoints"] = tuple(int(s) for s in options["checkpoints"].split(","))
+    config = BenchConfig.quick(**overrides) if options["quick"] else BenchConfig(**overrides)
+    original_name = connection.settings_dict["NAME"]
+    connection.settings_dict.setdefault("TEST", {})["NAME"] = f"claw_bench_{uuid.uuid4().hex[:8]}"
+    connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
+    try:
+        started = time.monotonic()
+        figures, results = run(config)
+        figures["total_wall_s"] = round(time.monotonic() - started, 1)
+        write_report(results, figures, config, config.out)
+        for name, value in figures.items():
+            print(f"{name}={value}")
+    finally:
+        if not options["keep_db"]:
+            connection.creation.destroy_test_db(original_name, verbosity=0)
+
+
+if __name__ == "__main__":
+    main()
