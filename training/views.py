@@ -97,14 +97,17 @@ SUMMARY_METRICS = (
 
 def _metric_rows(metrics):
     """(label, value) for the metrics a timeline shows first, then any other scalar metric."""
-    rows, seen = [], set()
+    def show(value):
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    rows, seen = [], {"samples_used"}  # the timeline shows the sample count on its own
     for key, label in SUMMARY_METRICS:
-        if metrics.get(key) is not None:
-            rows.append((label, metrics[key]))
+        if key not in seen and metrics.get(key) is not None:
+            rows.append((label, show(metrics[key])))
         seen.add(key)
     for key, value in sorted(metrics.items()):
         if key not in seen and isinstance(value, (int, float, str, bool)):
-            rows.append((key.replace("_", " "), value))
+            rows.append((key.replace("_", " "), show(value)))
     return rows
 
 
