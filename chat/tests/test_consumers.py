@@ -2,6 +2,7 @@
 import asyncio
 
 import pytest
+import pytest_asyncio
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
@@ -22,6 +23,16 @@ from chat.tests.factories import (  # noqa: F401
 from clawplatform.asgi import application
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _close_thread_connections():
+    """The test client keeps DB connections open in asgiref's worker thread; close them so the
+    test database can be dropped at the end of the run."""
+    yield
+    from django.db import connections
+
+    await sync_to_async(connections.close_all)()
 
 
 async def connect(user=None):

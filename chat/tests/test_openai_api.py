@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import pytest_asyncio
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
@@ -9,6 +10,16 @@ from chat.models import ApiKey, Conversation, Feedback, Turn
 from chat.tests.factories import AgentFactory, dead_engine, engine, live_engine, model_settings  # noqa: F401
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio, pytest.mark.urls("chat.tests.urls")]
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _close_thread_connections():
+    """The test client keeps DB connections open in asgiref's worker thread; close them so the
+    test database can be dropped at the end of the run."""
+    yield
+    from django.db import connections
+
+    await sync_to_async(connections.close_all)()
 
 
 @pytest.fixture
