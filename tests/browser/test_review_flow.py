@@ -143,3 +143,34 @@ def test_reviewer_fixes_rejects_and_rolls_back(serving_settings, live_server_url
     expect(entry).to_contain_text("v2 answers in the wrong language")
     expect(entry).to_contain_text(v2.name)
     shot(page, "audit")
+
+
+def test_user_rolls_back_from_the_chat_panel(serving_settings, live_server_url, new_page, shot, log_in,
+                                             tiny_model_dir, tmp_path):
+    from training import services
+    from training.models import AuditEvent
+
+    alice = get_user_model().objects.create_user(username="alice", password=PASSWORD)
+    agent = Agent.objects.create(owner=alice, name="Coach", slug="coach", max_tokens=16)
+    v1 = publish(tiny_model_dir, tmp_path, alice, agent, seed=3)
+    v2 = publish(tiny_model_dir, tmp_path, alice, agent, seed=4, parent=v1)
+    off_loop(services.activate, v2, user=alice, agent=agent, actor=None, reason="setup")
+
+    page = new_page(live_server_url)
+    log_in(page, "alice", PASSWORD)
+    page.goto(f"/agents/{agent.pk}/")
+    panel = page.locator("#panel-body .claw-panel")
+    expect(panel.locator(".active-version")).to_have_text("v2")
+    shot(page, "panel")
+
+    panel.locator("text=Roll back to v1").click()
+    expect(page.locator("h1")).to_have_text("Roll back to v1?")
+    shot(page, "confirm")
+    page.click("button[name=confirm]")
+    page.wait_for_url(re.compile(rf"/training/agents/{agent.pk}/versions/$"))
+    expect(page.locator(".active-version")).to_have_text("v1")
+    shot(page, "history")
+
+    assert AdapterVersion.objects.get(is_active=True).pk == v1.pk
+    event = AuditEvent.objects.get(action="rollback")
+    assert (event.actor_label, event.before, event.after) == ("alice", {"version": v2.name}, {"version": v1.name})
