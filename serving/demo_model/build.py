@@ -102,7 +102,7 @@ def _torch_threads(n: int):
 def _build_into(out: Path, config: DemoModelConfig, progress: bool) -> None:
     started = time.monotonic()
     dialogues = corpus.training_dialogues(config.corpus_size, config.seed)
-    texts = corpus.corpus_text(config.corpus_size, config.seed) + general_english(config.tokenizer_english_chars)
+    texts = [corpus.dialogue_text(d) for d in dialogues] + general_english(config.tokenizer_english_chars)
     tokenizer = train_tokenizer(texts, config.vocab_size)
     tokenizer.model_max_length = config.max_position_embeddings
     examples = [encode_dialogue(tokenizer, d.messages, config.seq_len) for d in dialogues]
@@ -183,14 +183,22 @@ def _get_batch(examples, order: list[int], pad_id: int) -> tuple[torch.Tensor, t
     return ids, labels, mask
 
 
-def _batches(n_examples: int, config: DemoModelConfig):
-    """Deterministic shuffled batches of example indices, epoch after epoch."""
+def _batches(examples, config: DemoModelConfig):
+    """Deterministic shuffled batches of example indices, epoch after epoch.
+
+    Within windows of 64 batches, examples are sorted by length so that a batch pads little.
+    """
     rng = random.Random(config.seed + 1)
+    window = 64 * config.batch_size
     while True:
-        order = list(range(n_examples))
+        order = list(range(len(examples)))
         rng.shuffle(order)
-        for i in range(0, n_examples - config.batch_size + 1, config.batch_size):
-            yield order[i : i + config.batch_size]
+        batches = []
+        for w in range(0, len(order), window):
+            chunk = sorted(order[w : w + window], key=lambda i: len(examples[i][0]))
+            batches += [chunk[i : i + config.batch_size] for i in range(0, len(chunk) - config.batch_size + 1, config.batch_size)]
+        rng.shuffle(batches)
+        yield from batches
 
 
 def train_model(tokenizer, examples, config: DemoModelConfig, progress: bool) -> Qwen2ForCausalLM:
@@ -204,7 +212,7 @@ def train_model(tokenizer, examples, config: DemoModelConfig, progress: bool) ->
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
     model.train()
-    batches = _batches(len(examples), config)
+    batches = _batches(examples, config)
     bar = tqdm(range(config.train_steps), desc="demo model", disable=not progress, unit="step")
     for step in bar:
         # lr for this step
