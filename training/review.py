@@ -213,17 +213,9 @@ def _probe_cache_key(version, messages):
 
 
 def _generate(client, messages, version, params):
-    from serving.client import InferenceError
-
+    # The client reloads an evicted or never-loaded version itself (sha256-verified) and retries.
     adapter = version.name if version is not None else None
-    try:
-        return client.chat_sync(messages, adapter=adapter, params=params).text
-    except InferenceError:
-        if version is None:
-            raise
-        # Not loaded (an old version, or evicted): load it from the store and try once more.
-        client.load_adapter_sync(version.name, version.path)
-        return client.chat_sync(messages, adapter=adapter, params=params).text
+    return client.chat_sync(messages, adapter=adapter, params=params).text
 
 
 def probe_replies(version, agent):
