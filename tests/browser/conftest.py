@@ -149,7 +149,9 @@ def run_daphne(inference_url, model_dir, name):
     port = _free_port()
     env = {
         **os.environ,
-        "DJANGO_SETTINGS_MODULE": "clawplatform.settings.test",
+        # clawplatform.settings.test plus a channel-layer socket timeout; see daphne_settings.py.
+        "DJANGO_SETTINGS_MODULE": "daphne_settings",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")])),
         "DATABASE_URL": _database_url(),
         "INFERENCE_URL": inference_url,
         "MODEL": str(model_dir),
@@ -198,17 +200,46 @@ def engine_url(tiny_model_dir):
         yield server.url
 
 
+def warm_up(url, browser, django_db_blocker):
+    """Chat once, so the server process has loaded the tokenizer before the tests time anything."""
+    from django.contrib.auth import get_user_model
+
+    from chat.models import Agent
+
+    with django_db_blocker.unblock():
+        user = get_user_model().objects.create_user(username="warm-up", password="Warm-up-pass-1")
+        agent = Agent.objects.create(owner=user, name="Warm-up", slug="warm-up", max_tokens=8)
+    context = browser.new_context(base_url=url)
+    try:
+        page = context.new_page()
+        page.goto("/login/")
+        page.fill("#id_username", "warm-up")
+        page.fill("#id_password", "Warm-up-pass-1")
+        page.click("#main button[type=submit]")
+        page.wait_for_url(re.compile(r"/$"))
+        page.goto(f"/agents/{agent.pk}/")
+        page.fill("#composer-input", "quick hello")
+        page.press("#composer-input", "Enter")
+        page.wait_for_selector('article.msg-assistant:not([data-status="streaming"])', timeout=300_000)
+    finally:
+        context.close()
+        with django_db_blocker.unblock():
+            user.delete()
+
+
 @pytest.fixture(scope="session")
-def live_server_url(django_db_setup, engine_url, tiny_model_dir):
+def live_server_url(django_db_setup, django_db_blocker, engine_url, tiny_model_dir, browser):
     """Daphne with the built-in engine (tiny demo model) behind it."""
     with run_daphne(engine_url, tiny_model_dir, "engine") as url:
+        warm_up(url, browser, django_db_blocker)
         yield url
 
 
 @pytest.fixture(scope="session")
-def stub_server_url(django_db_setup, tiny_model_dir):
+def stub_server_url(django_db_setup, django_db_blocker, tiny_model_dir, browser):
     """Daphne with the stub engine behind it: slow replies to stop, and failures on demand."""
     with StubEngine() as stub, run_daphne(stub.url, tiny_model_dir, "stub") as url:
+        warm_up(url, browser, django_db_blocker)
         yield url
 
 
@@ -218,6 +249,10 @@ def stub_server_url(django_db_setup, tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def browser():
+    from playwright.sync_api import expect
+
+    # The first message of a server process loads the tokenizer: slow on a busy CI machine.
+    expect.set_options(timeout=30_000)
     if not shutil.which(CHROMIUM) and not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is not installed")
     from playwright.sync_api import sync_playwright
@@ -240,7 +275,7 @@ def new_page(browser, request):
     def make(base_url, **options):
         options.setdefault("viewport", {"width": 1280, "height": 860})
         context = browser.new_context(base_url=base_url, **options)
-        context.set_default_timeout(15_000)
+        context.set_default_timeout(30_000)
         contexts.append(context)
         return context.new_page()
 
@@ -270,7 +305,7 @@ def log_in():
         page.goto("/login/")
         page.fill("#id_username", username)
         page.fill("#id_password", password)
-        page.click("button[type=submit]")
+        page.click("#main button[type=submit]")
         page.wait_for_url(re.compile(r"/$"))
 
     return log_in

@@ -46,7 +46,7 @@ def test_signup_chat_feedback_and_reload(live_server_url, new_page, shot):
     page.fill("#id_password1", PASSWORD)
     page.fill("#id_password2", PASSWORD)
     shot(page, "signup")
-    page.click("button[type=submit]")
+    page.click("#main button[type=submit]")
     page.wait_for_url(re.compile(r"/$"))
     expect(page.locator("h1")).to_have_text("Agents")
 
@@ -57,7 +57,7 @@ def test_signup_chat_feedback_and_reload(live_server_url, new_page, shot):
     page.fill("#id_max_tokens", "48")
     page.select_option("#id_training_method", "combined")
     shot(page, "agent-form")
-    page.click("button[type=submit]")
+    page.click("#main button[type=submit]")
     page.wait_for_url(re.compile(r"/agents/\d+/$"))
     expect(page.locator(".agent-name")).to_contain_text("Tutor Bot")
     expect(page.locator("#conn-status")).to_have_attribute("data-state", "open")
@@ -67,7 +67,7 @@ def test_signup_chat_feedback_and_reload(live_server_url, new_page, shot):
     # 3. Send a message (Enter) and watch the reply stream in
     page.fill("#composer-input", "Hello, can you help me?")
     page.press("#composer-input", "Enter")
-    expect(page.locator("article.msg-user .msg-content")).to_have_text("Hello, can you help me?")
+    expect(page.locator("article.msg-user .msg-content")).to_have_text("Hello, can you help me?", timeout=90_000)
     reply = page.locator("article.msg-assistant").last
     expect(reply).to_have_attribute("data-status", re.compile("complete|stopped"), timeout=60_000)
     expect(page.locator("#composer-input")).to_have_value("")
@@ -141,7 +141,7 @@ def test_escape_stops_generation_and_keeps_partial(stub_server_url, new_page, sh
     page.fill("#composer-input", "Tell me a long story")
     page.press("#composer-input", "Enter")
     reply = page.locator("article.msg-assistant").last
-    expect(reply.locator(".msg-content")).to_contain_text("word3")
+    expect(reply.locator(".msg-content")).to_contain_text("word3", timeout=90_000)
     expect(page.locator("#stop-btn")).to_be_visible()
     shot(page, "streaming")
     page.keyboard.press("Escape")
@@ -164,7 +164,7 @@ def test_stop_button_stops_generation(stub_server_url, new_page, log_in):
     page.fill("#composer-input", "Another long one")
     page.click("#send-btn")
     reply = page.locator("article.msg-assistant").last
-    expect(reply.locator(".msg-content")).to_contain_text("word2")
+    expect(reply.locator(".msg-content")).to_contain_text("word2", timeout=90_000)
     page.click("#stop-btn")
     expect(reply).to_have_attribute("data-status", "stopped")
 
@@ -178,7 +178,7 @@ def test_regenerate_keeps_the_old_reply_as_a_sibling(stub_server_url, new_page, 
     page.fill("#composer-input", "quick question")
     page.press("#composer-input", "Enter")
     reply = page.locator("article.msg-assistant").last
-    expect(reply).to_have_attribute("data-status", "complete")
+    expect(reply).to_have_attribute("data-status", "complete", timeout=90_000)
     first_id = reply.get_attribute("data-turn-id")
     reply.locator('[data-action="regenerate"]').click()
     expect(page.locator("article.msg-assistant")).not_to_have_attribute("data-turn-id", first_id)
@@ -200,7 +200,7 @@ def test_failed_reply_shows_error_and_retry_and_keeps_the_message(stub_server_ur
     page.goto(f"/agents/{agent.pk}/")
     page.fill("#composer-input", "please FAIL now")
     page.press("#composer-input", "Enter")
-    expect(page.locator("article.msg-user .msg-content")).to_have_text("please FAIL now")
+    expect(page.locator("article.msg-user .msg-content")).to_have_text("please FAIL now", timeout=90_000)
     reply = page.locator("article.msg-assistant").last
     expect(reply).to_have_attribute("data-status", "failed", timeout=30_000)
     expect(reply.locator(".msg-error")).to_be_visible()
@@ -327,7 +327,7 @@ def test_settings_api_key_and_password(stub_server_url, new_page, shot, log_in):
     page.fill("#id_old_password", PASSWORD)
     page.fill("#id_new_password1", "Another-pass-456")
     page.fill("#id_new_password2", "Another-pass-456")
-    page.click("button[type=submit]")
+    page.click("#main button[type=submit]")
     expect(page.locator(".toast")).to_contain_text("Password changed")
     shot(page, "password-changed")
     page.click("text=Log out")
