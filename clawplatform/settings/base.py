@@ -91,6 +91,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # A PostgreSQL outage answers 503 with a clear message, not a 500 page.
+    "chat.middleware.DatabaseUnavailableMiddleware",
 ]
 
 ROOT_URLCONF = "clawplatform.urls"
