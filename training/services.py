@@ -295,3 +295,51 @@ def resume_training(*, user=None, agent=None, actor, reason=""):
     if user is not None and agent is not None:
         transaction.on_commit(lambda: maybe_request_training(user, agent))
     return lifted
+
+
+# Personalization data
+# ------------------------------------------------------------------------------
+
+
+class JobRunning(Exception):
+    pass
+
+
+def delete_personalization(user, agent, *, actor):
+    """Delete (user, agent)'s samples, jobs and adapter versions (files too); conversations stay.
+
+    Refuses while a job runs (it would publish into the void). Files go after the commit, so a
+    rolled-back request never leaves rows pointing at deleted directories.
+    """
+    job = open_job(user, agent)
+    if job is not None and job.state == TrainingJob.State.RUNNING:
+        raise JobRunning("A training job is running; cancel it and try again once it has stopped.")
+    from serving.models import AdapterVersion
+
+    versions = list(AdapterVersion.objects.for_pair(user.pk, agent.pk))
+    if any(v.is_active for v in versions):
+        activate(None, user=user, agent=agent, actor=actor, reason="delete personalization data")
+    samples = TrainingSample.objects.filter(user=user, agent=agent)
+    jobs = TrainingJob.objects.filter(user=user, agent=agent)
+    before = {"samples": samples.count(), "jobs": jobs.count(), "versions": [v.name for v in versions]}
+    samples.delete()
+    jobs.delete()
+    names = [v.name for v in versions]
+    AdapterVersion.objects.filter(pk__in=[v.pk for v in versions]).delete()
+    audit(actor=actor, action="delete_personalization", subject_user_id=user.pk, agent_id=agent.pk,
+                   target=agent, reason="user request" if actor == user else "staff request", before=before,
+                   after={"samples": 0, "jobs": 0, "versions": []})
+
+    def remove_files():
+        from serving.adapters import delete_adapter
+        from serving.client import get_client
+
+        for name in names:
+            try:
+                get_client().unload_adapter_sync(name)  # best effort: only memory on a replica
+            except Exception:
+                logger.warning("could not unload %s", name, exc_info=True)
+            delete_adapter(name)
+
+    transaction.on_commit(remove_files)
+    return before

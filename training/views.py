@@ -263,55 +263,13 @@ def diff(request, agent_id, version_id):
                                                   "rows": rows, "subject": request.user})
 
 
-class JobRunning(Exception):
-    pass
-
-
-def delete_personalization(user, agent, *, actor):
-    """Delete (user, agent)'s samples, jobs and adapter versions (files too); conversations stay.
-
-    Refuses while a job runs (it would publish into the void). Files go after the commit, so a
-    rolled-back request never leaves rows pointing at deleted directories.
-    """
-    job = services.open_job(user, agent)
-    if job is not None and job.state == TrainingJob.State.RUNNING:
-        raise JobRunning("A training job is running; cancel it and try again once it has stopped.")
-    versions = list(AdapterVersion.objects.for_pair(user.pk, agent.pk))
-    if any(v.is_active for v in versions):
-        services.activate(None, user=user, agent=agent, actor=actor, reason="delete personalization data")
-    samples = TrainingSample.objects.filter(user=user, agent=agent)
-    jobs = TrainingJob.objects.filter(user=user, agent=agent)
-    before = {"samples": samples.count(), "jobs": jobs.count(), "versions": [v.name for v in versions]}
-    samples.delete()
-    jobs.delete()
-    names = [v.name for v in versions]
-    AdapterVersion.objects.filter(pk__in=[v.pk for v in versions]).delete()
-    services.audit(actor=actor, action="delete_personalization", subject_user_id=user.pk, agent_id=agent.pk,
-                   target=agent, reason="user request" if actor == user else "staff request", before=before,
-                   after={"samples": 0, "jobs": 0, "versions": []})
-
-    def remove_files():
-        from serving.adapters import delete_adapter
-        from serving.client import get_client
-
-        for name in names:
-            try:
-                get_client().unload_adapter_sync(name)  # best effort: only memory on a replica
-            except Exception:
-                logger.warning("could not unload %s", name, exc_info=True)
-            delete_adapter(name)
-
-    transaction.on_commit(remove_files)
-    return before
-
-
 @login_required
 def delete_data(request, agent_id):
     agent = _user_agent(request, agent_id)
     if request.method == "POST":
         try:
-            before = delete_personalization(request.user, agent, actor=request.user)
-        except JobRunning as exc:
+            before = services.delete_personalization(request.user, agent, actor=request.user)
+        except services.JobRunning as exc:
             messages.error(request, str(exc))
         else:
             messages.success(request, f"Deleted {len(before['versions'])} versions and {before['samples']} samples.")
