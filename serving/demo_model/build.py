@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from . import corpus
@@ -99,6 +100,18 @@ def _torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def _hf_progress_bars(enabled: bool):
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _build_into(out: Path, config: DemoModelConfig, progress: bool) -> None:
     started = time.monotonic()
     dialogues = corpus.training_dialogues(config.corpus_size, config.seed)
@@ -108,7 +121,8 @@ def _build_into(out: Path, config: DemoModelConfig, progress: bool) -> None:
     examples = [encode_dialogue(tokenizer, d.messages, config.seq_len) for d in dialogues]
     with _torch_threads(config.threads):
         model = train_model(tokenizer, examples, config, progress)
-    model.save_pretrained(out, safe_serialization=True)
+    with _hf_progress_bars(progress):
+        model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _portable_tokenizer_class(out)
     (out / MARKER).write_text(json.dumps({
