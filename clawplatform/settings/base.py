@@ -85,6 +85,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "training.metrics.RequestCountMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -200,6 +201,11 @@ MODEL_MAX_CONTEXT = env_int("MODEL_MAX_CONTEXT", 0)
 # ------------------------------------------------------------------------------
 TRAIN_BATCH_SIZE = env_int("TRAIN_BATCH_SIZE", 4)
 TRAIN_DEVICE = env("TRAIN_DEVICE", "auto")
+# Review policy: feedback per user per hour beyond which new feedback is held for review.
+TRAINING_HOLD_FEEDBACK_PER_HOUR = env_int("TRAINING_HOLD_FEEDBACK_PER_HOUR", 120)
+# LLM judge: votes per comment (majority wins) and the longest judge answer, in tokens.
+TRAINING_JUDGE_VOTES = env_int("TRAINING_JUDGE_VOTES", 3)
+TRAINING_JUDGE_MAX_TOKENS = env_int("TRAINING_JUDGE_MAX_TOKENS", 512)
 
 # LIMITS
 # ------------------------------------------------------------------------------
