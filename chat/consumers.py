@@ -12,7 +12,7 @@ from contextlib import aclosing
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from . import ratelimit, services
+from . import presence, ratelimit, services
 from .models import Turn
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,15 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         self.generations = {}  # assistant turn id -> asyncio.Task
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
+        self.counted = True
+        await presence.asocket_opened()
 
     async def disconnect(self, code):
         if not hasattr(self, "user"):
             return
+        if getattr(self, "counted", False):
+            self.counted = False
+            await presence.asocket_closed()
         await self.channel_layer.group_discard(self.group, self.channel_name)
         # Nobody is listening any more: stop our replies (each keeps its partial text, "stopped").
         tasks = list(self.generations.values())
