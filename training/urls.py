@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from . import metrics, views
 
 app_name = "training"
 urlpatterns = [
@@ -33,4 +33,5 @@ urlpatterns = [
     path("staff/audit/", views.audit_log, name="audit"),
     path("staff/plots/<str:kind>.<str:fmt>", views.plot, name="plot"),
     path("staff/export.jsonl", views.export_jsonl, name="export"),
+    path("metrics", metrics.metrics_view, name="metrics"),
 ]
