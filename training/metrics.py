@@ -126,11 +126,9 @@ class PlatformCollector:
     def collect(self):
         up = GaugeMetricFamily("claw_metrics_source_up", "1 if the source could be read in this scrape.",
                                labels=["source"])
-        for part in (self._requests, self._sockets, self._queues, self._replies, self._jobs, self._feedback,
-                     self._adapters, self._replicas):
-            source = part.__name__.strip("_")
+        for source in ("requests", "sockets", "queues", "replies", "jobs", "feedback", "adapters", "replicas"):
             try:
-                families = list(part())
+                families = list(getattr(self, f"_{source}")())
             except Exception:  # one broken source (Redis down...) must not blank the whole scrape
                 logger.exception("metrics: reading %s failed", source)
                 up.add_metric([source], 0)
