@@ -67,6 +67,7 @@ class _Request:
     weights: object = None  # AdapterWeights read by the front when the adapter was not resident
     generator: torch.Generator | None = None
     slot: int = 0
+    slot_key: str | None = None  # the key of its slot in Engine._resident (the name, or its tombstone)
     output_ids: list = field(default_factory=list)
     text: str = ""
     sent_chars: int = 0
@@ -119,7 +120,8 @@ class Engine:
         self._slot_lock = threading.Lock()
         self._resident: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU order
         self._refcount: collections.Counter = collections.Counter()
-        self._released: set = set()  # unloaded names whose slot frees when their last request ends
+        self._released: set = set()  # tombstones of unloaded adapters still used by running requests
+        self._tombstones = itertools.count()
         self._free_slots = list(range(self.max_loras, 0, -1))
         self._slot_capacity = 1
         self._slot_rank = 1
@@ -189,9 +191,9 @@ class Engine:
         return list(self._registry.values())
 
     def resident_adapters(self):
-        """Names of the adapters in slots, least recently used first."""
+        """Names of the adapters in slots, least recently used first (unloaded ones still in use excluded)."""
         with self._slot_lock:
-            return list(self._resident)
+            return [name for name in self._resident if name not in self._released]
 
     def stats(self):
         with self._slot_lock:
@@ -345,9 +347,6 @@ class Engine:
             _, name, weights, notify = command
             try:
                 with self._slot_lock:
-                    if name in self._released:  # reloaded under the same name before its slot freed
-                        self._released.discard(name)
-                        self._free_slot_locked(name)
                     self._install_locked(name, weights)
                 notify(None)
             except Exception as exc:
@@ -359,7 +358,15 @@ class Engine:
                     if self._refcount[name] == 0:
                         self._free_slot_locked(name)
                     else:
-                        self._released.add(name)
+                        # Running requests keep their slot under a tombstone key, so that the name
+                        # can be loaded again (new files, new slot) while they finish.
+                        tombstone = f"{name}#released-{next(self._tombstones)}"
+                        self._resident[tombstone] = self._resident.pop(name)
+                        self._refcount[tombstone] = self._refcount.pop(name)
+                        self._released.add(tombstone)
+                        for request in self._running:
+                            if request.slot_key == name:
+                                request.slot_key = tombstone
 
     def _install_locked(self, name, weights):
         """Write `weights` into a slot for `name`; returns the slot, or None when every slot is busy."""
@@ -367,7 +374,7 @@ class Engine:
             self._resident.move_to_end(name)
             return self._resident[name]
         if not self._free_slots:
-            victim = next((n for n in self._resident if self._refcount[n] == 0), None)
+            victim = next((n for n in self._resident if self._refcount[n] == 0 and n not in self._released), None)
             if victim is None:
                 return None
             self._free_slot_locked(victim)
@@ -413,7 +420,7 @@ class Engine:
                         break  # every slot serves a running request; wait for one to finish
                     self._resident.move_to_end(request.adapter)
                     self._refcount[request.adapter] += 1
-                request.slot, request.weights = slot, None
+                request.slot, request.slot_key, request.weights = slot, request.adapter, None
             if request.params.seed is not None:
                 request.generator = torch.Generator().manual_seed(request.params.seed)
             else:
@@ -551,14 +558,15 @@ class Engine:
         if request.done:
             return
         request.done = True
-        if request.adapter is not None and request.slot:
+        key = request.slot_key
+        if key is not None:
             with self._slot_lock:
-                self._refcount[request.adapter] -= 1
-                if self._refcount[request.adapter] <= 0:
-                    del self._refcount[request.adapter]
-                    if request.adapter in self._released:
-                        self._released.discard(request.adapter)
-                        self._free_slot_locked(request.adapter)
+                self._refcount[key] -= 1
+                if self._refcount[key] <= 0:
+                    del self._refcount[key]
+                    if key in self._released:
+                        self._released.discard(key)
+                        self._free_slot_locked(key)
 
 
 def _left_pad(tensor, width, dim=2):

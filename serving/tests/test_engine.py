@@ -171,6 +171,28 @@ def test_rollback_to_the_same_files_is_bit_identical(engine, adapter_dirs):
     run(restore())
 
 
+def test_a_name_reloaded_while_its_stream_runs_leaves_the_stream_alone(engine, adapter_dirs):
+    ids = prompt_ids(engine, PROMPTS[1])
+    long_params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    expected_old = run(engine.complete(ids, long_params, adapter="a0"))[1]
+    expected_new = run(engine.complete(ids, GREEDY, adapter="a2"))[1]
+
+    async def scenario():
+        await engine.add_adapter("swapped", str(adapter_dirs[0]))
+        stream = engine.generate(ids, long_params, adapter="swapped")
+        old = (await stream.__anext__()).token_ids
+        await engine.remove_adapter("swapped")
+        await engine.add_adapter("swapped", str(adapter_dirs[2]))
+        new = (await engine.complete(ids, GREEDY, adapter="swapped"))[1]
+        async for out in stream:
+            old += out.token_ids
+        await engine.remove_adapter("swapped")
+        return old, new
+
+    old, new = run(scenario())
+    assert new == expected_new and old == expected_old
+
+
 def test_lru_evicts_the_least_recently_used_idle_adapter(tiny_model_dir, adapter_dirs):
     with Engine(tiny_model_dir, device="cpu", max_loras=2) as small:
         async def scenario():
