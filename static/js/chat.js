@@ -278,7 +278,7 @@
     }
     if (feedback.thumb && (feedback.thumb.reason || feedback.thumb.comment)) {
       const note = el("div", "msg-feedback-note");
-      note.textContent = (feedback.thumb.kind === "thumb_up" ? "👍 " : "👎 ") + [feedback.thumb.reason, feedback.thumb.comment].filter(Boolean).join(" — ");
+      note.textContent = (feedback.thumb.kind === "thumb_up" ? "Rated good: " : "Rated bad: ") + [feedback.thumb.reason, feedback.thumb.comment].filter(Boolean).join(" — ");
       body.append(note);
     }
 
@@ -576,8 +576,13 @@
       setConn("closed", "Reconnecting…");
       // Replies streaming on this socket were stopped server-side; show them as saved after reconnect.
       if (state.streaming.size) {
+        for (const id of state.streaming) {
+          const turn = state.turns.get(id);
+          if (turn) turn.status = "stopped";
+        }
         state.streaming.clear();
         setStreaming(false);
+        renderAll();
       }
       if (state.pendingSend) {
         state.pendingSend = null;
