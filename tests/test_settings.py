@@ -110,7 +110,7 @@ def test_redis_url_reaches_broker_channels_and_cache():
         expressions=["CELERY_BROKER_URL", "CHANNEL_LAYERS['default']['CONFIG']['hosts']", "CACHES['default']['LOCATION']"],
     )
     assert broker == url
-    assert hosts == [url]
+    assert [h["address"] for h in hosts] == [url]
     assert cache == url
 
 

@@ -140,7 +140,10 @@ STATIC_ROOT = DATA_DIR / "staticfiles"
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{REDIS_KEY_PREFIX}:asgi", "capacity": 1000},
+        # redis-py gives each connection a 5 s socket timeout and channels_redis blocks 5 s in
+        # BZPOPMIN, so on a busy machine an idle consumer died with "Timeout reading from redis".
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "prefix": f"{REDIS_KEY_PREFIX}:asgi",
+                   "capacity": 1000},
     }
 }
 
