@@ -26,6 +26,7 @@ page_patterns = [
     path("settings/keys/", views.api_key_create, name="api_key_create"),
     path("settings/keys/<int:key_id>/revoke/", views.api_key_revoke, name="api_key_revoke"),
     path("settings/password/", views.PasswordChangeView.as_view(), name="password_change"),
+    path("settings/account/", include("chat.account_urls")),
     path("invite/", views.invite, name="invite"),
 ]
 # The JSON API and /v1 (chat/api_urls.py) are built alongside; mount them once they exist.
