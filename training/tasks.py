@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from celery import shared_task
-from celery.signals import celeryd_after_setup
+from celery.signals import celeryd_after_setup, worker_ready
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F, Max, OuterRef, Subquery
@@ -265,23 +265,70 @@ def run_training_job(job_id):
 @shared_task
 def enforce_adapter_retention():
     """Delete files of versions beyond the newest ADAPTER_KEEP_LAST per (user, agent), never the
-    active or a pinned one; the rows stay (state deleted) so history and audit still read."""
+    active or a pinned one; the rows stay (state deleted) so history and audit still read. Also
+    removes staging directories a crashed writer left behind. Returns what it removed."""
+    from serving.adapters import clean_staging, delete_adapter
     from serving.models import AdapterVersion
 
-    keep = settings.ADAPTER_KEEP_LAST
-    removed = 0
-    pairs = AdapterVersion.objects.filter(state=AdapterVersion.State.READY).values_list("user_id", "agent_id").distinct()
+    keep = max(0, settings.ADAPTER_KEEP_LAST)
+    removed = []
+    # order_by(): Meta.ordering would add `number` to the DISTINCT and repeat each pair.
+    pairs = (AdapterVersion.objects.filter(state=AdapterVersion.State.READY).order_by()
+             .values_list("user_id", "agent_id").distinct())
     for user_id, agent_id in pairs:
-        versions = AdapterVersion.objects.for_pair(user_id, agent_id).order_by("-number")
-        for version in versions[keep:]:
-            if version.is_active or version.pinned or version.state != AdapterVersion.State.READY:
-                continue
-            shutil.rmtree(version.path, ignore_errors=True)
-            AdapterVersion.objects.filter(pk=version.pk).update(state=AdapterVersion.State.DELETED)
-            services.audit(actor=None, action="delete_adapter_files", subject_user_id=user_id, agent_id=agent_id,
-                           target=version, reason=f"retention: older than the last {keep}")
-            removed += 1
+        newest = list(AdapterVersion.objects.for_pair(user_id, agent_id).order_by("-number")
+                      .values_list("pk", flat=True)[:keep])
+        stale = (AdapterVersion.objects.for_pair(user_id, agent_id).exclude(pk__in=newest)
+                 .filter(state=AdapterVersion.State.READY, is_active=False, pinned=False))
+        for candidate in stale:
+            with transaction.atomic():
+                # Re-read under a row lock: it may have been activated or pinned since the query.
+                version = AdapterVersion.objects.select_for_update().get(pk=candidate.pk)
+                if version.is_active or version.pinned or version.state != AdapterVersion.State.READY:
+                    continue
+                version.state = AdapterVersion.State.DELETED
+                version.save(update_fields=["state"])
+                services.audit(actor=None, action="delete_adapter_files", subject_user_id=user_id, agent_id=agent_id,
+                               target=version, reason=f"retention: older than the last {keep}")
+            delete_adapter(version.name)
+            removed.append(version.name)
+    staging = clean_staging() + _clean_job_staging()
+    if staging:
+        services.audit(actor=None, action="clean_adapter_staging", reason="retention: stale staging directories",
+                       after={"removed": staging})
+    return {"deleted": removed, "staging": staging}
+
+
+def _clean_job_staging(max_age_s=3600):
+    """Remove `.staging/job-<id>` directories of jobs that are not running (older than `max_age_s`)."""
+    import time
+
+    root = staging_dir(0).parent
+    if not root.is_dir():
+        return []
+    running = {f"job-{pk}" for pk in TrainingJob.objects.filter(state=TrainingJob.State.RUNNING).values_list("pk", flat=True)}
+    removed = []
+    for entry in root.iterdir():
+        if entry.name.startswith("job-") and entry.name not in running and time.time() - entry.stat().st_mtime > max_age_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(f".staging/{entry.name}")
     return removed
+
+
+@worker_ready.connect(dispatch_uid="training.restore_replica_adapters")
+def _restore_replica_adapters(sender=None, **kwargs):
+    """A worker that starts re-loads every active adapter onto replicas that lack it (a replica
+    restarted or joined while nothing ran). Best effort: a failure is logged, the worker starts."""
+    from serving.services import ensure_replica_adapters
+
+    try:
+        loaded = ensure_replica_adapters()
+    except Exception:
+        logger.exception("could not restore active adapters on the inference replicas")
+    else:
+        logger.info("restored active adapters on the replicas: %s", loaded)
+    finally:
+        connection.close()  # the main process keeps no connection for the pool's children to inherit
 
 
 @celeryd_after_setup.connect(dispatch_uid="training.warm_imports")
