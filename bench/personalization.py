@@ -122,6 +122,8 @@ def platform_processes(config, model_dir, adapter_root):
     celery_app.conf.broker_transport_options = transport
     settings.ADAPTER_ROOT = adapter_root
     settings.MODEL = str(model_dir)
+    # Simulated users talk much faster than people: the per-user rate limits would throttle them.
+    settings.RATE_LIMIT_MESSAGES_PER_MINUTE = settings.RATE_LIMIT_FEEDBACK_PER_MINUTE = 10**6
     with ExitStack() as stack:
         engine = stack.enter_context(run_engine_server(
             model_dir, env={**settings_env, "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local"},
