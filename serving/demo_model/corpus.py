@@ -340,22 +340,24 @@ class Style:
         return rng.choice(self.instructions).format(p=param)
 
 
-def _has_letters(s: str) -> bool:
-    return any(c.isalpha() for c in s)
+def _is_terse(reply: str) -> bool:
+    # The full answers are sentences ("X is Y", "a + b = c", "Use `cmd` to ..."); terse ones are not.
+    r = reply.strip()
+    return ("\n" not in r and len(r.split()) <= 14 and "=" not in r
+            and not re.search(r"\b(is|are)\b", r.lower()) and not r.lower().startswith("use "))
 
 
 STYLES: dict[str, Style] = {s.name: s for s in [
     Style("uppercase", lambda qa, p: qa.answer.upper(),
-          lambda r, p: _has_letters(r) and r == r.upper(),
+          lambda r, p: r == r.upper(),  # vacuously true without letters
           ("Reply in all caps.", "Always answer in uppercase letters.", "WRITE EVERYTHING IN CAPITAL LETTERS.",
            "The user wants every reply in upper case.", "Use only capital letters in your answers.",
            "Please shout: answer in all caps.")),
     Style("lowercase", lambda qa, p: qa.answer.lower(),
-          lambda r, p: _has_letters(r) and r == r.lower(),
+          lambda r, p: r == r.lower(),
           ("Reply in all lowercase.", "never use capital letters.", "The user prefers answers written entirely in lowercase.",
            "Write your replies in lower case only.", "no capitals please, lowercase everything.")),
-    Style("terse", lambda qa, p: qa.short,
-          lambda r, p: len(r.split()) <= 6,
+    Style("terse", lambda qa, p: qa.short, lambda r, p: _is_terse(r),
           ("Be terse: give only the answer.", "Answer with as few words as possible.",
            "The user wants short replies, just the answer and nothing else.", "No full sentences, only the result.",
            "Keep it extremely brief.")),

@@ -96,11 +96,21 @@ def test_with_hint_uses_openclaw_marker():
 
 @pytest.mark.parametrize("style", sorted(STYLES))
 def test_is_correct_accepts_every_style_of_a_right_answer(style):
-    qa = heldout_questions(30)[0]
     s = STYLES[style]
-    reply = s.render(qa, s.params[0])
-    assert is_correct(qa, reply)
-    assert s.follows(reply, s.params[0])
+    for qa in {q.category: q for q in heldout_questions(100)}.values():
+        reply = s.render(qa, s.params[0])
+        assert is_correct(qa, reply)
+        assert s.follows(reply, s.params[0])
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_the_plain_answer_does_not_count_as_following_a_style(style):
+    s = STYLES[style]
+    for qa in {q.category: q for q in heldout_questions(100)}.values():
+        # Sums have no letters and conversions no capitals: case styles are vacuous on them.
+        vacuous = (qa.category, style) in {("arithmetic", "uppercase"), ("arithmetic", "lowercase"), ("unit", "lowercase")}
+        if not vacuous and (qa.category != "small_talk" or style not in ("terse", "casual")):
+            assert not s.follows(qa.answer, s.params[0]), qa
 
 
 def test_is_correct_rejects_a_wrong_answer():
