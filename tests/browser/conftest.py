@@ -280,8 +280,16 @@ def new_page(browser, request):
         return context.new_page()
 
     yield make
+    # Let the server finish what the pages started (the panel's htmx load, socket disconnects)
+    # before pytest-django truncates the tables: a request still reading them can deadlock the flush.
     for context in contexts:
+        for page in context.pages:
+            try:
+                page.wait_for_load_state("networkidle", timeout=5_000)
+            except Exception:
+                pass
         context.close()
+    time.sleep(1.0)
 
 
 @pytest.fixture
