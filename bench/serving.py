@@ -161,7 +161,7 @@ def measure_p3(model_dir, adapter_dirs, swaps, tokens):
     """Hot-load adapters over HTTP while 8 streams keep the server busy."""
     failures, first_token_s, stop = [], [], threading.Event()
     with run_engine_server(model_dir, env={"DJANGO_SETTINGS_MODULE": "clawplatform.settings.local"},
-                           extra_args=["--max-loras", "8"]) as server:
+                           extra_args=["--max-loras", "8", "--threads", str(torch.get_num_threads())]) as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             for i in range(4):
                 client.post("/v1/load_lora_adapter", json={"lora_name": f"bg{i}", "lora_path": str(adapter_dirs[i])})
@@ -214,6 +214,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny model, fewer tokens and rounds")
     parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the benchmark adapters")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 by default: on a shared 2-core box, OpenMP spinning makes "
+                             "multi-threaded small matmuls 10x slower and the numbers noise)")
     args = parser.parse_args()
 
     import logging
@@ -221,9 +224,10 @@ def main():
     import django
 
     django.setup()
+    torch.set_num_threads(args.threads)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model_dir = Path(args.model) if args.model else default_model(args.quick)
-    tokens, rounds, swaps = (16, 2, 5) if args.quick else (48, 3, 10)
+    tokens, rounds, swaps = (32, 5, 5) if args.quick else (48, 5, 10)
     print(f"model={model_dir} torch_threads={torch.get_num_threads()} tokens_per_stream={tokens} rank={args.rank}")
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         adapter_dirs = make_adapters(model_dir, Path(tmp), 64, args.rank)
