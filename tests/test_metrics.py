@@ -215,3 +215,17 @@ def test_a_broken_source_is_reported_and_the_rest_still_scraped(staff_client, mo
     samples = scrape(staff_client)
     assert value(samples, "claw_metrics_source_up", source="queues") == 0
     assert value(samples, "claw_websocket_connections") == 0
+
+
+def test_the_grafana_dashboard_only_queries_exposed_metrics(staff_client):
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"claw_[a-z_]+", target["expr"])}
+    text = staff_client.get(URL).content.decode()
+    families = {family.name for family in text_string_to_metric_families(text)}  # listed even with no samples yet
+    exposed = {family + suffix for family in families for suffix in ("", "_total", "_bucket", "_count", "_sum")}
+    assert queried - exposed == set()
