@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 # Bump when the corpus, tokenizer or training code changes what a config builds.
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 
 
 @dataclass

@@ -6,9 +6,9 @@ sign-off, terse...), requested in the system prompt or as an OpenClaw-RL hindsig
 to the user message, so that a LoRA adapter can later learn a user's preferred style.
 
 Held-out questions are never in the training data: power-of-ten conversions hold out values (the
-model must generalise "append zeros"), everything else holds out question wordings (the facts and
-sums themselves are learned; a 4M-parameter model trained for minutes does not learn to add
-unseen operand pairs: 0.10 accuracy when we tried).
+model must generalise "append zeros"); everything else holds out one question wording per item,
+so a held-out question pairs a known fact with a wording learned on other facts (a 4M-parameter
+model trained for minutes does not learn to add unseen operand pairs: 0.10 when we tried).
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ UNITS = [  # (from singular, from plural, to plural, factor, max n, exact table:
     ("week", "weeks", "days", 7, 12, True),
 ]
 
-# Question wordings; the last entry of each list is held out.
+# Question wordings; each item has one of them held out (see `_split`).
 TEMPLATES = {
     "capital": ["What is the capital of {x}?", "What's the capital city of {x}?", "Name the capital of {x}.",
                 "capital of {x}?", "Which city is the capital of {x}?", "Tell me the capital of {x}.",
@@ -215,11 +215,15 @@ def _article(word: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _split(templates: list[str], idx: int, item_heldout: bool | None) -> bool:
-    """Whether (item, wording idx) is held out: by item where given, else by wording."""
+def _split(templates: list[str], idx: int, item_heldout: bool | None, key) -> bool:
+    """Whether (item, wording idx) is held out: by item where given, else one wording per item.
+
+    Each item loses a different wording, so every wording is still trained on other items and a
+    held-out question is a new (item, wording) combination.
+    """
     if item_heldout is not None:
         return item_heldout
-    return idx == len(templates) - 1
+    return idx == zlib.crc32(repr(key).encode()) % len(templates)
 
 
 def _capital_qas():
@@ -227,7 +231,7 @@ def _capital_qas():
     for country, city in CAPITALS.items():
         for i, t in enumerate(tpls):
             qa = QA(t.format(x=country), f"The capital of {country} is {city}.", (city,), city, "capital")
-            yield qa, _split(tpls, i, None)
+            yield qa, _split(tpls, i, None, country)
 
 
 def _definition_qas():
@@ -236,7 +240,7 @@ def _definition_qas():
         answer = f"{word.capitalize()} is {meaning}."
         for i, t in enumerate(tpls):
             qa = QA(t.format(x=word, a=_article(word)), answer, kws, meaning.capitalize() + ".", "definition")
-            yield qa, _split(tpls, i, None)
+            yield qa, _split(tpls, i, None, word)
 
 
 def _shell_qas():
@@ -244,7 +248,7 @@ def _shell_qas():
     for task, (cmd, kws) in SHELL.items():
         for i, t in enumerate(tpls):
             qa = QA(t.format(x=task), f"Use `{cmd}` to {task}.", kws, f"`{cmd}`", "shell")
-            yield qa, _split(tpls, i, None)
+            yield qa, _split(tpls, i, None, task)
 
 
 def _small_talk_qas():
@@ -267,7 +271,7 @@ def _arithmetic_qas():
                 c = fn(a, b)
                 for i, t in enumerate(TEMPLATES[op]):
                     qa = QA(t.format(a=a, b=b), f"{a} {sym} {b} = {c}.", (str(c),), str(c), "arithmetic")
-                    yield qa, _split(TEMPLATES[op], i, None)
+                    yield qa, _split(TEMPLATES[op], i, None, (op, a, b))
 
 
 def _unit_qas():
@@ -279,7 +283,7 @@ def _unit_qas():
             held = None if exact else _held_out_item(one, n)
             for i, t in enumerate(tpls):
                 qa = QA(t.format(n=n, frm=frm, to=to), f"{n} {frm} is {m} {to}.", (str(m), to), f"{m} {to}.", "unit")
-                yield qa, _split(tpls, i, held)
+                yield qa, _split(tpls, i, held, (one, n))
 
 
 GENERATORS = {
