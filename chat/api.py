@@ -57,7 +57,7 @@ def _parse_json(request):
         return {}
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested too deeply
         raise services.InvalidInput("The body is not valid JSON.") from None
     if not isinstance(data, dict):
         raise services.InvalidInput("The body must be a JSON object.")
