@@ -10,7 +10,8 @@ PostgreSQL server of DATABASE_URL (default 127.0.0.1:5432), migrates it and drop
 and uses its own Redis key prefix, so real data is never touched.
 
 Each session is one user (session cookie made with the session store, a CSRF cookie + header for
-the JSON API). For `--duration` seconds it sends a chat message over `/ws/chat/`, waits for the
+the JSON API). The sessions connect over `--ramp` seconds (default 20 a second), then for `--duration`
+seconds each sends a chat message over `/ws/chat/`, waits for the
 reply (`reply.done`) and posts one feedback on the reply through `POST /api/turns/<id>/feedback`.
 Rate limits are raised for the run (RATE_LIMIT_MESSAGES_PER_MINUTE and
 RATE_LIMIT_FEEDBACK_PER_MINUTE = 100000 in the Daphne's environment): we measure the platform,
@@ -291,8 +292,10 @@ class Stats:
         self.errors.append((session, what))
 
 
-async def run_session(index, base_url, cookies, agent_id, stop_at, stats, run_tag):
+async def run_session(index, base_url, cookies, agent_id, stop_at, stats, run_tag, delay=0.0):
     import httpx
+
+    await asyncio.sleep(delay)
 
     ws_url = base_url.replace("http://", "ws://") + "/ws/chat/"
     conversation_id = None
@@ -452,9 +455,10 @@ def run(args):
             print(f"[load] warmed up after {time.monotonic() - t0:.0f}s", flush=True)
 
             async def main():
-                stop_at = time.monotonic() + args.duration
-                await asyncio.gather(*(run_session(i, base_url, cookies[i], agent.pk, stop_at, stats, run_id)
-                                       for i in range(args.sessions)))
+                stop_at = time.monotonic() + args.ramp + args.duration
+                step = args.ramp / max(args.sessions, 1)
+                await asyncio.gather(*(run_session(i, base_url, cookies[i], agent.pk, stop_at, stats, run_id,
+                                                   delay=i * step) for i in range(args.sessions)))
 
             started = time.monotonic()
             asyncio.run(main())
@@ -476,6 +480,7 @@ def run(args):
             "ttft_p50_ms": round(percentile(stats.ttft_ms, 50), 1),
             "ttft_p99_ms": round(percentile(stats.ttft_ms, 99), 1),
             "sessions": args.sessions,
+            "ramp_s": args.ramp,
             "duration_s": round(elapsed, 1),
             "messages_per_s": round(len(stats.sent_messages) / max(elapsed, 1e-9), 2),
         }
@@ -545,10 +550,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=200, help="concurrent WebSocket chat sessions (one user each)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds each session keeps chatting")
+    parser.add_argument("--ramp", type=float, default=None,
+                        help="seconds over which the sessions connect (default sessions/20: a burst of 200 "
+                             "handshakes at once outlasts Daphne's 5 s websocket connect timeout)")
     parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
     parser.add_argument("--max-tokens", type=int, default=8, help="reply length (the agent's max_tokens)")
     parser.add_argument("--drain", type=float, default=30.0, help="seconds to wait for the worker afterwards")
     args = parser.parse_args(argv)
+    if args.ramp is None:
+        args.ramp = args.sessions / 20
     if args.model is None:
         args.model = str(default_model())
     return run(args)
