@@ -77,7 +77,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return
         try:
             content = json.loads(text_data)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):  # RecursionError: nested too deeply
             await self.send_error("bad_json", "The frame is not valid JSON.")
             return
         await self.receive_json(content)
@@ -89,7 +89,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if not isinstance(content, dict):
             await self.send_error("invalid", "A frame must be a JSON object with a 'type'.")
             return
-        handler = self.FRAME_HANDLERS.get(content.get("type"))
+        frame_type = content.get("type")
+        handler = self.FRAME_HANDLERS.get(frame_type) if isinstance(frame_type, str) else None  # a dict isn't hashable
         if handler is None:
             await self.send_error("unknown_type", f"Unknown frame type: {str(content.get('type'))[:50]!r}.", request_id)
             return
