@@ -169,9 +169,12 @@ class SimulatedUser:
         self.browser = Client(SERVER_NAME="localhost", enforce_csrf_checks=False)
         self.browser.force_login(self.user)
         self.sessions = 0
+        self.requests = 0
 
     def complete(self, messages, *, session, greedy, side=False, max_tokens=None, done=False):
-        body = {"model": self.agent.slug, "messages": messages}
+        self.requests += 1
+        # Sampled replies are seeded per request too, so a rerun replays the same conversation.
+        body = {"model": self.agent.slug, "messages": messages, "seed": self.requests}
         if greedy:
             body.update(temperature=0.0, seed=0)
         if max_tokens:
@@ -206,8 +209,8 @@ def react(user, reply, turn_id, *, method):
         return "Thanks! "
     user.feedback(turn_id, kind="thumb_down", reason="Wrong style")
     if method != "binary":
-        user.feedback(turn_id, kind="correction", corrected_text=user.preference.transform(reply),
-                      comment=user.preference.description)
+        # The user just fixes the reply, with no note: c' is c, and OPD learns a* where it is asked.
+        user.feedback(turn_id, kind="correction", corrected_text=user.preference.transform(reply))
     return "No, that's not how I like it. "
 
 
@@ -473,6 +476,8 @@ def add_arguments(parser):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "personalization")
     parser.add_argument("--keep-db", action="store_true", help="Keep the benchmark's database afterwards.")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="Override a BenchConfig field, e.g. --set learning_rate=5e-3 --set steps_per_job=16.")
 
 
 def execute(options):
@@ -485,6 +490,10 @@ def execute(options):
         overrides["only"] = tuple(options["only"].split(","))
     if options["checkpoints"]:
         overrides["checkpoints"] = tuple(int(s) for s in options["checkpoints"].split(","))
+    for item in options["set"]:
+        name, _, value = item.partition("=")
+        kind = type(BenchConfig.__dataclass_fields__[name].default)
+        overrides[name] = kind(value)
     config = BenchConfig.quick(**overrides) if options["quick"] else BenchConfig(**overrides)
     original_name = connection.settings_dict["NAME"]
     connection.settings_dict.setdefault("TEST", {})["NAME"] = f"claw_bench_{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,56 @@
+"""The personalization benchmark's small version: 2 preferences, 2 update steps, the tiny model.
+
+It goes through the real platform (/v1, the feedback API, a Celery worker subprocess, the engine
+subprocess with hot-load), exactly as `python manage.py bench_personalization` does.
+"""
+import json
+
+import pytest
+
+from bench.personalization import BenchConfig, run, summarize, write_report
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.timeout(1200)]
+
+PREFERENCES = {"preferences": [
+    {"name": "answer_prefix", "rule": {"type": "startswith", "phrase": "Answer:"}},
+    {"name": "signoff_zorblat", "unseen": True, "rule": {"type": "endswith", "phrase": "Cheers, Zorblat!"}},
+]}
+
+
+@pytest.fixture
+def bench_run(tiny_model_dir, tmp_path, settings):
+    path = tmp_path / "prefs.json"
+    path.write_text(json.dumps(PREFERENCES))
+    config = BenchConfig(preferences=path, methods=("none", "combined"), checkpoints=(0, 2), eval_prompts=8,
+                         retention_questions=4, leakage_prompts=3, learning_rate=5e-3, steps_per_job=16,
+                         max_tokens=24, model=str(tiny_model_dir), out=tmp_path / "out")
+    figures, results = run(config, log=lambda *a: None)
+    return config, figures, results
+
+
+def test_combined_adherence_rises_and_nothing_leaks(bench_run):
+    config, figures, results = bench_run
+    assert figures["combined_adherence_step2"] > figures["combined_adherence_step0"]
+    assert figures["none_adherence_step2"] == figures["none_adherence_step0"]
+    assert figures["leakage"] == 0
+    assert all(r.jobs_failed == 0 for r in results)
+    assert all(r.interactions[2] > 0 for r in results if r.method == "combined")
+
+    write_report(results, figures, config, config.out)
+    table = (config.out / "results.md").read_text()
+    assert table.startswith("| method |") and "| combined |" in table
+    assert json.loads((config.out / "results.json").read_text())["figures"] == figures
+    assert (config.out / "adherence.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_averages_arms_and_scales_retention_by_base():
+    from bench.personalization import ArmResult
+
+    config = BenchConfig(methods=("combined",), checkpoints=(0, 2))
+    arms = [ArmResult("combined", "a", adherence={0: 0.0, 2: 1.0}, wall_s={2: 3.0}, retention=0.4),
+            ArmResult("combined", "b", adherence={0: 0.5, 2: 0.5}, wall_s={2: 1.0}, retention=0.8)]
+    figures = summarize(arms, base_retention=0.8, leakage=0, config=config)
+    assert figures["combined_adherence_step0"] == 0.25
+    assert figures["combined_adherence_step2"] == 0.75
+    assert figures["combined_retention"] == 0.75
+    assert figures["combined_wall_s"] == 4.0
