@@ -254,4 +254,5 @@ def feedback_saved(sender, instance, created, update_fields=None, **kwargs):
     from .tasks import process_feedback
 
     feedback_id = instance.pk
-    transaction.on_commit(lambda: process_feedback.apply_async(args=[feedback_id], queue="default"))
+    # Robust: the feedback is committed; if the broker is down, the periodic sweep queues it later.
+    transaction.on_commit(lambda: process_feedback.apply_async(args=[feedback_id], queue="default"), robust=True)

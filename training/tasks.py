@@ -6,6 +6,7 @@ job redelivered after a worker crash (acks_late + reject_on_worker_lost) publish
 """
 import logging
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 from celery import shared_task
@@ -30,11 +31,20 @@ def process_feedback(feedback_id):
     """Classify comments and next-state messages, then approve now or hold for review."""
     from chat.models import Feedback
 
+    with transaction.atomic():
+        # The row lock makes a duplicate delivery (the periodic sweep) wait, then see it processed.
+        feedback = (Feedback.objects.select_for_update(of=("self",)).select_related("turn__conversation__agent")
+                    .filter(pk=feedback_id).first())
+        if feedback is None:
+            return "missing"
+        return _process_feedback(feedback)
+
+
+def _process_feedback(feedback):
+    from chat.models import Feedback
+
     from . import policy, signals
 
-    feedback = Feedback.objects.select_related("turn__conversation__agent").filter(pk=feedback_id).first()
-    if feedback is None:
-        return "missing"
     if feedback.withdrawn:
         services.discard_feedback_samples(feedback, reason="feedback withdrawn")
         return "withdrawn"
@@ -71,6 +81,23 @@ def process_feedback(feedback_id):
     services.audit(actor=None, action="hold_feedback", subject_user_id=feedback.author_id, agent_id=agent.pk,
                    target=feedback, reason=hold_reason)
     return "held"
+
+
+@shared_task
+def requeue_unprocessed_feedback(older_than_s=60):
+    """Queue feedback that was committed while the broker was unreachable (its hand-off failed).
+
+    process_feedback is idempotent, so feedback queued twice is processed once.
+    """
+    from chat.models import Feedback
+
+    cutoff = timezone.now() - timedelta(seconds=older_than_s)
+    stale = Feedback.objects.filter(status=Feedback.Status.PENDING, verdict="", hold_reason="", withdrawn=False,
+                                    created_at__lt=cutoff).values_list("pk", flat=True)
+    for feedback_id in stale:
+        process_feedback.apply_async(args=[feedback_id], queue="default")
+    return len(stale)
+
 
 
 # Training jobs

@@ -181,6 +181,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "enforce-adapter-retention": {"task": "training.tasks.enforce_adapter_retention", "schedule": 3600.0},
+    "requeue-unprocessed-feedback": {"task": "training.tasks.requeue_unprocessed_feedback", "schedule": 60.0},
 }
 
 # MODEL AND SERVING

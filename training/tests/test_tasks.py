@@ -83,6 +83,22 @@ def test_feedback_receiver_enqueues_after_commit(db, django_capture_on_commit_ca
     assert sent == [([fb.pk], "default")]
 
 
+
+def test_sweep_queues_feedback_whose_hand_off_never_happened(db, monkeypatch):
+    from chat.models import Feedback
+    from clawplatform.celery import app
+
+    fb = FeedbackFactory(kind="thumb_up")  # inside the test transaction: the on-commit hand-off never runs
+    Feedback.objects.filter(pk=fb.pk).update(created_at=timezone.now() - timezone.timedelta(minutes=2))
+    fresh = FeedbackFactory(kind="thumb_up")
+    monkeypatch.setitem(app.conf, "task_always_eager", True)
+    assert tasks.requeue_unprocessed_feedback() == 1
+    fb.refresh_from_db()
+    fresh.refresh_from_db()
+    assert fb.status == "approved" and fb.samples.count() == 1
+    assert fresh.status == "pending"  # too young: its own hand-off may still be on the way
+    assert tasks.requeue_unprocessed_feedback() == 0
+
 # Jobs
 # ------------------------------------------------------------------------------
 
