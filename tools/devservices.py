@@ -390,14 +390,6 @@ def manage(*args: str) -> list[str]:
     return [PYTHON, str(REPO / "manage.py"), *args]
 
 
-def django_commands(env: dict) -> set[str]:
-    out = subprocess.run(manage("help", "--commands"), env=env, cwd=REPO, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.stderr.write(out.stderr)
-        raise RuntimeError("manage.py does not start; see the error above")
-    return set(out.stdout.split())
-
-
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -446,22 +438,13 @@ def cmd_run(args) -> int:
             if port_open("127.0.0.1", port):
                 raise RuntimeError(f"port {port} is in use; set {what}=<another port>")
         services = ensure_services(env, data_dir, use_machine_services=False)
-        commands = django_commands(env)
         step("migrate", "--noinput")
-        if "seed_demo" in commands:
-            step("seed_demo")
+        step("seed_demo")
         if not env.get("MODEL"):
-            if "build_demo_model" in commands:
-                step("build_demo_model")
-            else:
-                log("build_demo_model is not available yet; skipping the demo model")
-
+            step("build_demo_model")
         if not env.get("INFERENCE_URL"):
             env["INFERENCE_URL"] = f"http://127.0.0.1:{inference_port}"
-            if "serve_model" in commands:
-                supervisor.start("inference", manage("serve_model", "--port", str(inference_port)), env)
-            else:
-                log("serve_model is not available yet; chat replies will fail until an engine runs")
+            supervisor.start("inference", manage("serve_model", "--port", str(inference_port)), env)
         supervisor.start("web", [str(BIN / "daphne"), "-b", host, "-p", str(web_port), "clawplatform.asgi:application"], env)
         supervisor.start(
             "worker", [PYTHON, "-m", "celery", "-A", "clawplatform", "worker", "-Q", "default,training", "-c", "1",
@@ -479,6 +462,11 @@ def cmd_run(args) -> int:
             credentials = data_dir / "demo-credentials.txt"
             if credentials.exists():
                 print(credentials.read_text(), flush=True)
+        # A fresh engine holds no adapters: give it every user's active version again.
+        engine_health = env["INFERENCE_URL"].split(",")[0].rstrip("/") + "/health"
+        if wait_for(lambda: stopping.is_set() or supervisor.exited() or http_ok(engine_health), 300):
+            if not stopping.is_set() and not supervisor.exited():
+                step("ensure_adapters")
 
         while not stopping.is_set():
             gone = supervisor.exited()

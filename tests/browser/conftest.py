@@ -149,9 +149,7 @@ def run_daphne(inference_url, model_dir, name):
     port = _free_port()
     env = {
         **os.environ,
-        # clawplatform.settings.test plus a channel-layer socket timeout; see daphne_settings.py.
-        "DJANGO_SETTINGS_MODULE": "daphne_settings",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")])),
+        "DJANGO_SETTINGS_MODULE": "clawplatform.settings.test",
         "DATABASE_URL": _database_url(),
         "INFERENCE_URL": inference_url,
         "MODEL": str(model_dir),
