@@ -39,4 +39,4 @@ USER claw
 EXPOSE 8000
 VOLUME ["/data"]
 
-CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "clawplatform.asgi:application"]
+CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "--websocket_connect_timeout", "30", "clawplatform.asgi:application"]

@@ -239,7 +239,8 @@ def run_daphne(env, *, name="daphne", port=None, startup_timeout=90):
     log_path = LOG_DIR / f"{name}-{port}-{int(time.time())}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "clawplatform.asgi:application"],
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "--websocket_connect_timeout", "30",
+             "clawplatform.asgi:application"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     process.log_path = log_path

@@ -445,7 +445,9 @@ def cmd_run(args) -> int:
         if not env.get("INFERENCE_URL"):
             env["INFERENCE_URL"] = f"http://127.0.0.1:{inference_port}"
             supervisor.start("inference", manage("serve_model", "--port", str(inference_port)), env)
-        supervisor.start("web", [str(BIN / "daphne"), "-b", host, "-p", str(web_port), "clawplatform.asgi:application"], env)
+        # A busy machine can take longer than Daphne's default 5 s to authenticate a socket.
+        supervisor.start("web", [str(BIN / "daphne"), "-b", host, "-p", str(web_port), "--websocket_connect_timeout",
+                                 "30", "clawplatform.asgi:application"], env)
         supervisor.start(
             "worker", [PYTHON, "-m", "celery", "-A", "clawplatform", "worker", "-Q", "default,training", "-c", "1",
                        "-l", "INFO", "-n", "claw@%h"], env,
