@@ -37,3 +37,9 @@ def other_user(django_user_model):
 @pytest.fixture
 def staff_user(django_user_model):
     return django_user_model.objects.create_user(username="sam", password="pw-sam-123!", is_staff=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Browser tests run last: Playwright's sync API keeps an event loop running in the main
+    thread for the rest of the session, which breaks every async test collected after it."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)

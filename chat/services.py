@@ -539,7 +539,8 @@ EXPLICIT_KINDS = {Feedback.Kind.THUMB_UP, Feedback.Kind.THUMB_DOWN, Feedback.Kin
 def record_feedback(turn, *, user, kind, reason="", comment="", corrected_text=""):
     """Store explicit feedback on an assistant reply (committed when this returns).
 
-    Thumbs are one live per (turn, author): giving the other thumb flips it, the same one is a no-op.
+    Thumbs are one live per (turn, author): giving the other thumb flips it; the same one again
+    updates its reason and comment.
     """
     _check_owner(turn.conversation, user)
     if kind not in EXPLICIT_KINDS:
@@ -576,6 +577,12 @@ def record_feedback(turn, *, user, kind, reason="", comment="", corrected_text="
                     .first()
                 )
                 if live is not None and live.kind == kind:
+                    # The same thumb again restates its reason and comment (the reward is unchanged).
+                    changed = [name for name, value in fields.items() if getattr(live, name) != value]
+                    for name in changed:
+                        setattr(live, name, fields[name])
+                    if changed:
+                        live.save(update_fields=[*changed, "updated_at"])
                     return live
                 if live is not None:
                     live.withdrawn = True

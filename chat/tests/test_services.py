@@ -84,9 +84,18 @@ def reply(conversation):
     return exchange(conversation, 1)[-1]
 
 
+def test_same_thumb_again_updates_its_reason_not_its_row(reply, user):
+    up = services.record_feedback(reply, user=user, kind="thumb_down")
+    again = services.record_feedback(reply, user=user, kind="thumb_down", reason="Too long", comment="shorter")
+    assert again.pk == up.pk
+    up.refresh_from_db()
+    assert (up.reason, up.comment, up.withdrawn) == ("Too long", "shorter", False)
+    assert Feedback.objects.filter(turn=reply).count() == 1
+
+
 def test_thumb_flips_and_withdraws(reply, user):
     up = services.record_feedback(reply, user=user, kind="thumb_up")
-    assert services.record_feedback(reply, user=user, kind="thumb_up").pk == up.pk  # same thumb: no-op
+    assert services.record_feedback(reply, user=user, kind="thumb_up").pk == up.pk  # same thumb: same row
     down = services.record_feedback(reply, user=user, kind="thumb_down", reason="too long")
     up.refresh_from_db()
     assert up.withdrawn and not down.withdrawn
