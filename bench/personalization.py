@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from training.testing import run_worker, wait_for  # noqa: E402  (no Django needed)
+
 METHODS = ("none", "binary", "opd", "combined", "offline")
 TRAINED_ONLINE = ("binary", "opd", "combined")
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -77,28 +81,6 @@ def database_url():
 
 
 @contextmanager
-def worker_process(env, log_dir):
-    import subprocess
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"bench-worker-{os.getpid()}.log"
-    command = [sys.executable, "-m", "celery", "-A", "clawplatform", "worker", "-Q", "default,training", "-c", "1",
-               "--pool=solo", "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "--without-gossip", "--without-mingle"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    process.log_path = log_path
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@contextmanager
 def platform_processes(config, model_dir, adapter_root):
     """Start the engine and a Celery worker that share this process's database and Redis prefix."""
     from django.conf import settings
@@ -130,21 +112,9 @@ def platform_processes(config, model_dir, adapter_root):
             model_dir, env={**settings_env, "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local"},
             extra_args=("--device", config.device)))
         settings.INFERENCE_URLS = [engine.url]
-        worker = stack.enter_context(worker_process({**os.environ, **settings_env, "INFERENCE_URL": engine.url},
-                                                    REPO / "var" / "bench-logs"))
+        worker = stack.enter_context(run_worker({**os.environ, **settings_env, "INFERENCE_URL": engine.url},
+                                                name=f"bench-{uuid.uuid4().hex[:6]}"))
         yield engine, worker
-
-
-def wait_until(predicate, *, timeout, what, worker=None, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if worker is not None and worker.poll() is not None:
-            raise RuntimeError(f"worker exited: {worker.log_path.read_text()[-3000:]}")
-        time.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 # The simulated user, through the public HTTP interfaces
@@ -253,11 +223,11 @@ def run_until_step(user, questions, *, method, target_steps, worker, config, log
         if failures_in_a_row >= config.max_failed_jobs:
             return interactions, True
         interactions += interact(user, questions, method=method)
-        wait_until(lambda: feedback_processed(user), timeout=120, what="feedback processing", worker=worker)
+        wait_for(lambda: feedback_processed(user), timeout=120, what="feedback processing", process=worker)
         job = TrainingJob.objects.filter(user=user.user, state__in=TrainingJob.OPEN_STATES).first()
         if job is not None:
-            wait_until(lambda: not TrainingJob.objects.filter(pk=job.pk, state__in=TrainingJob.OPEN_STATES).exists(),
-                       timeout=config.job_timeout_s, what=f"job {job.pk}", worker=worker)
+            wait_for(lambda: not TrainingJob.objects.filter(pk=job.pk, state__in=TrainingJob.OPEN_STATES).exists(),
+                       timeout=config.job_timeout_s, what=f"job {job.pk}", process=worker)
             job.refresh_from_db()
             failures_in_a_row = 0 if job.state == "succeeded" else failures_in_a_row + 1
             if job.state != "succeeded":
@@ -273,7 +243,7 @@ def train_offline(user, worker, config):
     response = user.browser.post(f"/training/agents/{user.agent.pk}/train/")
     if response.status_code not in (200, 302):
         raise RuntimeError(f"train now answered {response.status_code}")
-    wait_until(lambda: finished_jobs(user).exists(), timeout=config.job_timeout_s, what="offline job", worker=worker)
+    wait_for(lambda: finished_jobs(user).exists(), timeout=config.job_timeout_s, what="offline job", process=worker)
 
 
 # Measurements
@@ -327,7 +297,7 @@ def run_arm(method, preference, config, *, prompts, worker, log):
     start, interactions = time.monotonic(), 0
     for step in config.checkpoints:
         if method in TRAINED_ONLINE and result.stalled_at is None:
-            spent, stalled = run_until_step(user, questions, method=method, target_steps=step, worker=worker,
+            spent, stalled = run_until_step(user, questions, method=method, target_steps=step, process=worker,
                                             config=config, log=log)
             interactions += spent
             if stalled:
@@ -337,7 +307,7 @@ def run_arm(method, preference, config, *, prompts, worker, log):
             # Logs the same kind of traffic as the online arms, trains once at the end.
             while interactions < result_interactions_hint(config, step):
                 interactions += interact(user, questions, method=method)
-            wait_until(lambda: feedback_processed(user), timeout=120, what="feedback processing", worker=worker)
+            wait_for(lambda: feedback_processed(user), timeout=120, what="feedback processing", process=worker)
             if step == config.max_steps:
                 train_offline(user, worker, config)
         if method in TRAINED_ONLINE or step in (0, config.max_steps) or method == "none":
@@ -460,7 +430,7 @@ def run(config, *, log=print):
         results = []
         for preference in preferences:
             for method in config.methods:
-                results.append(run_arm(method, preference, config, prompts=prompts, worker=worker, log=log))
+                results.append(run_arm(method, preference, config, prompts=prompts, process=worker, log=log))
         after = bystander_replies(bystander, prompts["leakage"])
         leakage = sum(a != b for a, b in zip(before, after))
     figures = summarize(results, base_retention, leakage, config)
@@ -472,7 +442,6 @@ def main(argv=None):
     add_arguments(parser)
     options = vars(parser.parse_args(argv))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "clawplatform.settings.local")
-    sys.path.insert(0, str(REPO))
     import django
 
     django.setup()

@@ -43,14 +43,9 @@ class TrainingJobFactory(factory.django.DjangoModelFactory):
 # A real Celery worker
 # ------------------------------------------------------------------------------
 
-import contextlib  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from training.testing import run_worker, wait_for  # noqa: E402,F401  (re-exported for the tests)
 
 
 def worker_env(*, model_dir, inference_url, extra=None):
@@ -71,39 +66,3 @@ def worker_env(*, model_dir, inference_url, extra=None):
         "PYTHONUNBUFFERED": "1",
         **(extra or {}),
     }
-
-
-@contextlib.contextmanager
-def run_worker(env, *, queues="default,training", name="w1"):
-    """`celery -A clawplatform worker -Q ... -c 1 --pool=solo` in a real subprocess."""
-    log_dir = REPO / "var" / "test-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"worker-{env['CLAW_TEST_RUN_ID']}-{name}-{int(time.time())}.log"
-    command = [sys.executable, "-m", "celery", "-A", "clawplatform", "worker", "-Q", queues, "-c", "1",
-               "--pool=solo", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    process.log_path = log_path
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def wait_for(predicate, *, timeout, interval=0.25, what="condition", process=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"worker exited ({process.returncode}):\n{process.log_path.read_text()[-4000:]}")
-        time.sleep(interval)
-    log = process.log_path.read_text()[-4000:] if process is not None else ""
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{log}")
