@@ -223,7 +223,8 @@ def run_until_step(user, questions, *, method, target_steps, worker, config, log
         if failures_in_a_row >= config.max_failed_jobs:
             return interactions, True
         interactions += interact(user, questions, method=method)
-        wait_for(lambda: feedback_processed(user), timeout=120, what="feedback processing", process=worker)
+        wait_for(lambda: feedback_processed(user), timeout=config.job_timeout_s, what="feedback processing",
+                 process=worker)  # the one worker may be busy with a training job first
         job = TrainingJob.objects.filter(user=user.user, state__in=TrainingJob.OPEN_STATES).first()
         if job is not None:
             wait_for(lambda: not TrainingJob.objects.filter(pk=job.pk, state__in=TrainingJob.OPEN_STATES).exists(),
@@ -307,7 +308,8 @@ def run_arm(method, preference, config, *, prompts, worker, log):
             # Logs the same kind of traffic as the online arms, trains once at the end.
             while interactions < result_interactions_hint(config, step):
                 interactions += interact(user, questions, method=method)
-            wait_for(lambda: feedback_processed(user), timeout=120, what="feedback processing", process=worker)
+            wait_for(lambda: feedback_processed(user), timeout=config.job_timeout_s, what="feedback processing",
+                 process=worker)  # the one worker may be busy with a training job first
             if step == config.max_steps:
                 train_offline(user, worker, config)
         if method in TRAINED_ONLINE or step in (0, config.max_steps) or method == "none":
