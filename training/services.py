@@ -207,6 +207,21 @@ def ready_samples(user, agent):
     return TrainingSample.objects.filter(user=user, agent=agent, state=TrainingSample.State.READY)
 
 
+def usable_samples(user, agent, method=None):
+    """The ready samples `method` learns from: rewards for Binary RL, corrections (a*) for OPD.
+
+    The others stay ready, for a later change of method; they never trigger a job that could
+    only fail for lack of data.
+    """
+    samples = ready_samples(user, agent)
+    method = method or agent.training_method
+    if method == "binary":
+        return samples.filter(reward__isnull=False)
+    if method in ("opd", "offline"):
+        return samples.exclude(target_text="")
+    return samples
+
+
 def is_training_paused(user, agent):
     """True when staff paused this user, this agent, or this user on this agent."""
     return TrainingPause.objects.filter(
@@ -229,9 +244,9 @@ def request_training(user, agent, *, trigger, actor=None):
 
     if not agent.training_enabled or is_training_paused(user, agent):
         return None
-    if not ready_samples(user, agent).exists():
-        return None
     config = TrainingConfig.from_agent(agent, offline=(trigger == "offline"))
+    if not usable_samples(user, agent, config.method).exists():
+        return None
     try:
         with transaction.atomic():
             job = TrainingJob.objects.create(
@@ -249,8 +264,8 @@ def request_training(user, agent, *, trigger, actor=None):
 
 
 def maybe_request_training(user, agent):
-    """Queue a job when (user, agent) has a full batch of ready samples."""
-    if ready_samples(user, agent).count() >= batch_size_for(agent):
+    """Queue a job when (user, agent) has a full batch of samples its method can learn from."""
+    if usable_samples(user, agent).count() >= batch_size_for(agent):
         return request_training(user, agent, trigger="auto")
     return None
 

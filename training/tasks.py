@@ -216,8 +216,8 @@ def execute_job(job):
                 if job.trigger == "offline":  # the offline baseline: every correction logged so far
                     batch = TrainingSample.objects.filter(user=job.user, agent=job.agent, target_text__gt="").exclude(
                         state=TrainingSample.State.DISCARDED)
-                else:  # every ready sample: a batch that grew while the job was queued trains at once
-                    batch = services.ready_samples(job.user, job.agent)
+                else:  # every usable sample: a batch that grew while the job was queued trains at once
+                    batch = services.usable_samples(job.user, job.agent, job.method)
                 batch.update(state=TrainingSample.State.IN_JOB, job=job)
         report(job, 0)
         samples = list(job.samples.select_related("turn__adapter_version"))

@@ -111,6 +111,15 @@ def test_one_open_job_per_user_agent(db):
     assert TrainingJob.objects.filter(user=user, agent=agent).count() == 1
 
 
+def test_thumbs_alone_never_queue_an_opd_job(db):
+    user, agent = UserFactory(), AgentFactory(batch_size=2, training_method="opd")
+    make_ready_samples(user, agent, 3)  # thumbs down: rewards, no corrections
+    assert services.maybe_request_training(user, agent) is None
+    assert services.request_training(user, agent, trigger="manual") is None
+    agent.training_method = "binary"
+    assert services.maybe_request_training(user, agent) is not None
+
+
 def test_batch_size_triggers_a_job(db):
     user, agent = UserFactory(), AgentFactory(batch_size=3)
     make_ready_samples(user, agent, 2)
