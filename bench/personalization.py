@@ -298,7 +298,7 @@ def run_arm(method, preference, config, *, prompts, worker, log):
     start, interactions = time.monotonic(), 0
     for step in config.checkpoints:
         if method in TRAINED_ONLINE and result.stalled_at is None:
-            spent, stalled = run_until_step(user, questions, method=method, target_steps=step, process=worker,
+            spent, stalled = run_until_step(user, questions, method=method, target_steps=step, worker=worker,
                                             config=config, log=log)
             interactions += spent
             if stalled:
@@ -371,11 +371,14 @@ def write_report(results, figures, config, out):
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {figures.get(f'{method}_retention', '–')} | "
                      f"{figures['leakage']} |")
     per_pref = ["", "| method | preference | " + " | ".join(f"@{s}" for s in steps)
-                + " | interactions | retention | failed jobs | stalled at |",
+                + " | interactions | accuracy | failed jobs | stalled at |",
                 "|---" * (len(steps) + 6) + "|"]
+    def cell(value):
+        return "–" if value is None else f"{value:.3f}"
+
     for r in results:
-        per_pref.append(f"| {r.method} | {r.preference} | " + " | ".join(str(r.adherence.get(s, "–")) for s in steps)
-                        + f" | {r.interactions.get(config.max_steps)} | {r.retention} | {r.jobs_failed} | "
+        per_pref.append(f"| {r.method} | {r.preference} | " + " | ".join(cell(r.adherence.get(s)) for s in steps)
+                        + f" | {r.interactions.get(config.max_steps)} | {cell(r.retention)} | {r.jobs_failed} | "
                         + ("–" if r.stalled_at is None else f"{r.stalled_at} steps") + " |")
     (out / "results.md").write_text("\n".join(lines + per_pref) + "\n")
     plot(results, config, out / "adherence.png")
@@ -432,7 +435,7 @@ def run(config, *, log=print):
         results = []
         for preference in preferences:
             for method in config.methods:
-                results.append(run_arm(method, preference, config, prompts=prompts, process=worker, log=log))
+                results.append(run_arm(method, preference, config, prompts=prompts, worker=worker, log=log))
         after = bystander_replies(bystander, prompts["leakage"])
         leakage = sum(a != b for a, b in zip(before, after))
     figures = summarize(results, base_retention, leakage, config)
