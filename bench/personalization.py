@@ -85,10 +85,11 @@ def platform_processes(config, model_dir, adapter_root):
     """Start the engine and a Celery worker that share this process's database and Redis prefix."""
     from django.conf import settings
 
-    from clawplatform.celery import app as celery_app
     from serving.engine.testing import run_engine_server
 
-    prefix = f"claw-bench-{uuid.uuid4().hex[:8]}"
+    # The worker shares this process's Redis prefix, hence its queues (execute() gives a
+    # standalone run a fresh one, so that a deployment's own worker never takes these jobs).
+    prefix = settings.REDIS_KEY_PREFIX
     settings_env = {
         "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local",
         "DEBUG": "false",
@@ -100,9 +101,6 @@ def platform_processes(config, model_dir, adapter_root):
         "TRAIN_DEVICE": config.device,
         "PYTHONUNBUFFERED": "1",
     }
-    # This process enqueues the jobs: it must use the worker's private queue keys.
-    transport = {**settings.CELERY_BROKER_TRANSPORT_OPTIONS, "global_keyprefix": f"{prefix}:celery:"}
-    celery_app.conf.broker_transport_options = transport
     settings.ADAPTER_ROOT = adapter_root
     settings.MODEL = str(model_dir)
     # Simulated users talk much faster than people: the per-user rate limits would throttle them.
@@ -467,6 +465,18 @@ def add_arguments(parser):
                         help="Override a BenchConfig field, e.g. --set learning_rate=5e-3 --set steps_per_job=16.")
 
 
+def use_private_queues():
+    """Give this run its own Redis prefix before anything connects, so its Celery jobs never
+    reach a worker of a running deployment (and its worker takes nobody else's)."""
+    from django.conf import settings
+
+    from clawplatform.celery import app as celery_app
+
+    settings.REDIS_KEY_PREFIX = prefix = f"claw-bench-{uuid.uuid4().hex[:8]}"
+    celery_app.conf.broker_transport_options = {**settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+                                                "global_keyprefix": f"{prefix}:celery:"}
+
+
 def execute(options):
     """Run in a fresh database of its own (like a test database) so no real data is touched."""
     from django.db import connection
@@ -482,6 +492,7 @@ def execute(options):
         kind = type(BenchConfig.__dataclass_fields__[name].default)
         overrides[name] = kind(value)
     config = BenchConfig.quick(**overrides) if options["quick"] else BenchConfig(**overrides)
+    use_private_queues()
     original_name = connection.settings_dict["NAME"]
     connection.settings_dict.setdefault("TEST", {})["NAME"] = f"claw_bench_{uuid.uuid4().hex[:8]}"
     connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
