@@ -101,18 +101,25 @@ def platform_processes(config, model_dir, adapter_root):
         "TRAIN_DEVICE": config.device,
         "PYTHONUNBUFFERED": "1",
     }
-    settings.ADAPTER_ROOT = adapter_root
-    settings.MODEL = str(model_dir)
-    # Simulated users talk much faster than people: the per-user rate limits would throttle them.
-    settings.RATE_LIMIT_MESSAGES_PER_MINUTE = settings.RATE_LIMIT_FEEDBACK_PER_MINUTE = 10**6
-    with ExitStack() as stack:
-        engine = stack.enter_context(run_engine_server(
-            model_dir, env={**settings_env, "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local"},
-            extra_args=("--device", config.device)))
-        settings.INFERENCE_URLS = [engine.url]
-        worker = stack.enter_context(run_worker({**os.environ, **settings_env, "INFERENCE_URL": engine.url},
-                                                name=f"bench-{uuid.uuid4().hex[:6]}"))
-        yield engine, worker
+    # Restored on exit: inside the test suite these are the process's real settings.
+    overrides = {"ADAPTER_ROOT": adapter_root, "MODEL": str(model_dir),
+                 # Simulated users talk much faster than people: lift the per-user rate limits.
+                 "RATE_LIMIT_MESSAGES_PER_MINUTE": 10**6, "RATE_LIMIT_FEEDBACK_PER_MINUTE": 10**6}
+    saved = {name: getattr(settings, name) for name in (*overrides, "INFERENCE_URLS")}
+    for name, value in overrides.items():
+        setattr(settings, name, value)
+    try:
+        with ExitStack() as stack:
+            engine = stack.enter_context(run_engine_server(
+                model_dir, env={**settings_env, "DJANGO_SETTINGS_MODULE": "clawplatform.settings.local"},
+                extra_args=("--device", config.device)))
+            settings.INFERENCE_URLS = [engine.url]
+            worker = stack.enter_context(run_worker({**os.environ, **settings_env, "INFERENCE_URL": engine.url},
+                                                    name=f"bench-{uuid.uuid4().hex[:6]}"))
+            yield engine, worker
+    finally:
+        for name, value in saved.items():
+            setattr(settings, name, value)
 
 
 # The simulated user, through the public HTTP interfaces
