@@ -42,7 +42,4 @@ def staff_user(django_user_model):
 def pytest_collection_modifyitems(config, items):
     """Browser tests run last: Playwright's sync API keeps an event loop running in the main
     thread for the rest of the session, which breaks every async test collected after it."""
-    # The personalization benchmark's small version goes last of all: the engine and worker it
-    # drives left later async tests hanging (not yet understood; see the closing note).
-    items.sort(key=lambda item: ("test_personalization_bench" in item.nodeid,
-                                 item.get_closest_marker("browser") is not None))
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
