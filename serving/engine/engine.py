@@ -85,10 +85,15 @@ class Engine:
         max_batch: requests in one forward pass.
         max_lora_rank: the largest LoRA rank accepted.
         max_model_len: context length; 0/None means the model's max_position_embeddings.
+        step_delay: seconds the model thread waits after each step, to pace streaming for demos
+            and UI tests (a tiny model on a CPU otherwise streams faster than anyone can press
+            Stop); 0 runs flat out.
     """
 
     def __init__(self, model_dir, *, device="auto", max_loras=64, max_batch=32, max_lora_rank=64,
-                 max_model_len=None, dtype=None):
+                 max_model_len=None, dtype=None, step_delay=0.0):
+        if not step_delay >= 0:  # refuses nan too
+            raise ValueError(f"step_delay must be >= 0, got {step_delay}")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -96,6 +101,7 @@ class Engine:
         self.max_loras = int(max_loras)
         self.max_batch = int(max_batch)
         self.max_lora_rank = int(max_lora_rank)
+        self.step_delay = float(step_delay)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -330,8 +336,10 @@ class Engine:
                 admitted = self._admit()
                 if admitted:
                     self._prefill(admitted)
+                    self._pace()
                 elif self._running:
                     self._decode()
+                    self._pace()
             except Exception as exc:  # keep serving: fail the batch in flight, not the process
                 logger.exception("Engine step failed")
                 for request in self._running + list(getattr(self, "_admitting", [])):
@@ -340,6 +348,16 @@ class Engine:
                 self._running, self._cache, self._mask = [], None, None
         for request in self._running + list(self._waiting):
             request.emit(RuntimeError("engine shut down"))
+
+    def _pace(self):
+        """Wait `step_delay` seconds before the next step; shutdown cuts the wait short.
+
+        The wait runs on the model thread, so the asyncio front (HTTP, new requests, aborts) keeps
+        going meanwhile; whatever arrives is handled at the next step.
+        """
+        if self.step_delay > 0:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop, timeout=self.step_delay)
 
     def _run_command(self, command):
         kind = command[0]

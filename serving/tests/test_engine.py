@@ -3,6 +3,7 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 
 import httpx
 import pytest
@@ -277,6 +278,79 @@ def test_stop_string_cuts_the_text(engine):
     assert cut == text[:text.index(stop)] and finish == "stop"
 
 
+def test_step_delay_paces_the_stream_and_leaves_the_event_loop_free(tiny_model_dir):
+    delay, tokens = 0.05, 12
+    with Engine(tiny_model_dir, device="cpu", step_delay=delay) as paced:
+        ids = prompt_ids(paced, PROMPTS[0])
+
+        async def scenario():
+            ticks, streaming = 0, True
+
+            async def ticker():  # counts how often the event loop gets to run meanwhile
+                nonlocal ticks
+                while streaming:
+                    await asyncio.sleep(0.005)
+                    ticks += 1
+
+            task = asyncio.create_task(ticker())
+            arrivals = []
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            async for _ in paced.generate(ids, params):
+                arrivals.append(time.monotonic())
+            streaming = False
+            await task
+            return arrivals, ticks
+
+        arrivals, ticks = run(scenario())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) == tokens
+    # Loosely: each step waits `delay`, and asyncio hand-off jitter may shift single arrivals.
+    assert arrivals[-1] - arrivals[0] >= (tokens - 1) * delay * 0.9
+    assert sorted(gaps)[len(gaps) // 2] >= delay * 0.9
+    # The wait happens on the model thread, so the loop kept running: about 10 ticks per gap when
+    # idle; a wait on the loop itself would leave about one.
+    assert ticks >= 3 * tokens
+
+
+def test_step_delay_changes_the_pace_not_the_tokens(engine, tiny_model_dir):
+    ids = prompt_ids(engine, PROMPTS[2])
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=8)
+    expected = run(engine.complete(ids, params))
+    with Engine(tiny_model_dir, device="cpu", step_delay=0.01) as paced:
+        assert run(paced.complete(ids, params)) == expected
+
+
+def test_shutdown_and_stop_do_not_wait_out_a_long_step_delay(tiny_model_dir):
+    with Engine(tiny_model_dir, device="cpu", step_delay=30) as paced:
+        ids = prompt_ids(paced, PROMPTS[0])
+
+        async def first_token_then_stop():
+            stream = paced.generate(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+            first = await stream.__anext__()
+            await stream.aclose()  # the client went away: the request is aborted
+            return first
+
+        assert run(first_token_then_stop()).token_ids
+        started = time.monotonic()
+        paced.shutdown()
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("delay", [-0.1, float("nan")])
+def test_a_negative_step_delay_is_refused(tiny_model_dir, delay):
+    with pytest.raises(ValueError, match="step_delay"):
+        Engine(tiny_model_dir, device="cpu", step_delay=delay)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_serve_model_refuses_a_bad_step_delay(value):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="step-delay"):
+        call_command("serve_model", "--step-delay", value)
+
+
 # ---------------------------------------------------------------------- HTTP (real subprocess server)
 
 
@@ -379,3 +453,25 @@ def test_hot_load_does_not_pause_a_stream_in_flight(http, server, adapter_dirs, 
     assert streamed == expected_long and tokens_at_load < len(expected_long)
     for name in ("long", "fresh"):
         http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+def test_serve_model_step_delay_paces_http_streaming_and_health_stays_prompt(tiny_model_dir):
+    delay, tokens = 0.05, 16
+    body = chat_body("base", text=PROMPTS[1], max_tokens=tokens, ignore_eos=True, stream=True)
+    with run_engine_server(tiny_model_dir, extra_args=["--step-delay", str(delay)]) as paced:
+        assert f"pausing {delay} s between steps" in paced.log()
+        arrivals, health = [], []
+        with httpx.Client(base_url=paced.url, timeout=60) as client:
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                        arrivals.append(time.monotonic())
+                        if len(arrivals) == 3:  # mid-stream: the HTTP side still answers at once
+                            with httpx.Client(base_url=paced.url, timeout=60) as other:
+                                asked = time.monotonic()
+                                health.append((other.get("/health").status_code, time.monotonic() - asked))
+    # role chunk + one chunk per token (finish_reason on the last)
+    assert len(arrivals) == tokens + 1
+    assert arrivals[-1] - arrivals[1] >= (tokens - 1) * delay * 0.8
+    status, took = health[0]
+    assert status == 200 and took < 2.0

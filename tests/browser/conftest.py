@@ -2,20 +2,21 @@
 
 Daphne uses the test database pytest-django created (tests mark themselves
 `django_db(transaction=True)`, so rows they create are committed and visible to it) and the same
-Redis key prefix. Replies come from the built-in engine serving the tiny demo model, or, where a
-test needs a reply slow enough to stop or one that fails, from `StubEngine` below, which speaks the
-same streaming protocol.
+Redis key prefix. Every reply comes from the built-in engine (`manage.py serve_model`) serving the
+tiny demo model:
+
+- `live_server_url`: one engine for the session, run with `--step-delay`, so that a long reply
+  streams slowly enough to be stopped (Escape, the Stop button);
+- `restartable_server`: for the failure test, an engine the test stops (the reply fails: connection
+  refused) and starts again on the same port (the retry succeeds), with its own Daphne in front.
 """
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
@@ -29,6 +30,9 @@ CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-background-networking", "--disable-gpu", "--no-first-run",
     "--disable-component-update", "--disable-sync",
 ]
+# Seconds the engines wait between decode steps: a 256-token reply takes about 13 s, time enough
+# to press Stop after the first words; a short reply still ends within a second or two.
+STEP_DELAY = 0.05
 
 
 def _free_port():
@@ -37,97 +41,10 @@ def _free_port():
     return free_port()
 
 
-# ---------------------------------------------------------------------------
-# A stub engine: slow or failing replies on demand
-# ---------------------------------------------------------------------------
+def _run_engine_server(model_dir, **kwargs):
+    from serving.engine.testing import run_engine_server
 
-class StubEngine:
-    """An OpenAI-compatible streaming server whose replies depend on the last user message.
-
-    "FAIL" in the message: HTTP 500. "quick": five words. Anything else: up to max_tokens words,
-    one every `delay` seconds, slow enough for a person (or a test) to press Stop.
-    """
-
-    def __init__(self, delay=0.08):
-        self.delay = delay
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _json(self, status, payload):
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                if self.path.startswith("/health"):
-                    self._json(200, {"status": "ok"})
-                else:
-                    self._json(200, {"object": "list", "data": [{"id": "base", "object": "model"}]})
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                request = json.loads(self.rfile.read(length) or b"{}")
-                if not self.path.startswith("/v1/chat/completions"):
-                    self._json(200, {})
-                    return
-                last = next((m.get("content") or "" for m in reversed(request.get("messages", [])) if m.get("role") == "user"), "")
-                if "FAIL" in last:
-                    self._json(500, {"error": {"message": "stub engine failure", "type": "server_error", "param": None, "code": 500}})
-                    return
-                count = 5 if "quick" in last else int(request.get("max_tokens") or 64)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                try:
-                    self._stream(count, request)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                self.close_connection = True
-
-            def _stream(self, count, request):
-                def emit(payload):
-                    self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-                    self.wfile.flush()
-
-                emit({"id": "stub", "object": "chat.completion.chunk", "model": request.get("model"),
-                      "prompt_token_ids": [1, 2, 3],
-                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]})
-                for i in range(count):
-                    word = f"word{i} "
-                    emit({"id": "stub", "object": "chat.completion.chunk", "choices": [{
-                        "index": 0, "delta": {"content": word}, "token_ids": [100 + i % 50],
-                        "logprobs": {"content": [{"token": word, "logprob": -0.5, "bytes": list(word.encode()), "top_logprobs": []}]},
-                    }]})
-                    time.sleep(engine.delay)
-                emit({"id": "stub", "object": "chat.completion.chunk",
-                      "choices": [{"index": 0, "delta": {}, "finish_reason": "length" if count > 5 else "stop", "token_ids": []}]})
-                emit({"id": "stub", "object": "chat.completion.chunk", "choices": [],
-                      "usage": {"prompt_tokens": 3, "completion_tokens": count, "total_tokens": 3 + count}})
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+    return run_engine_server(model_dir, extra_args=["--step-delay", STEP_DELAY], **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +62,7 @@ def _database_url():
 
 
 @contextmanager
-def run_daphne(inference_url, model_dir, name):
+def run_daphne(inference_url, model_dir, name, *, extra_env=None):
     port = _free_port()
     env = {
         **os.environ,
@@ -156,6 +73,7 @@ def run_daphne(inference_url, model_dir, name):
         "SIGNUP_OPEN": "true",
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
     }
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     log_dir = REPO / "var" / "test-logs"
@@ -192,10 +110,37 @@ def run_daphne(inference_url, model_dir, name):
 
 @pytest.fixture(scope="session")
 def engine_url(tiny_model_dir):
-    from serving.engine.testing import run_engine_server
-
-    with run_engine_server(tiny_model_dir) as server:
+    with _run_engine_server(tiny_model_dir) as server:
         yield server.url
+
+
+class RestartableEngine:
+    """The built-in engine on a fixed port, which a test can stop (a crash) and start again."""
+
+    def __init__(self, model_dir):
+        self.model_dir = model_dir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = None
+        self._stack = ExitStack()
+
+    def start(self):
+        assert self.server is None, "already running"
+        self.server = self._stack.enter_context(_run_engine_server(self.model_dir, port=self.port))
+
+    def stop(self):
+        """Kill the process, as a crash would: connections to the port are refused from now on."""
+        self.server.process.kill()
+        self.server.process.wait()
+        self._stack.close()
+        self.server = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
 
 
 def warm_up(url, browser, django_db_blocker):
@@ -218,7 +163,10 @@ def warm_up(url, browser, django_db_blocker):
         page.goto(f"/agents/{agent.pk}/")
         page.fill("#composer-input", "quick hello")
         page.press("#composer-input", "Enter")
-        page.wait_for_selector('article.msg-assistant:not([data-status="streaming"])', timeout=300_000)
+        reply = page.wait_for_selector('article.msg-assistant:not([data-status="streaming"])', timeout=300_000)
+        if reply.get_attribute("data-status") != "complete":
+            raise RuntimeError(f"the warm-up reply on {url} ended {reply.get_attribute('data-status')!r}: "
+                               f"{reply.inner_text()[:500]}")
     finally:
         context.close()
         with django_db_blocker.unblock():
@@ -227,18 +175,23 @@ def warm_up(url, browser, django_db_blocker):
 
 @pytest.fixture(scope="session")
 def live_server_url(django_db_setup, django_db_blocker, engine_url, tiny_model_dir, browser):
-    """Daphne with the built-in engine (tiny demo model) behind it."""
+    """Daphne with the session's engine (tiny demo model, `STEP_DELAY` between steps) behind it."""
     with run_daphne(engine_url, tiny_model_dir, "engine") as url:
         warm_up(url, browser, django_db_blocker)
         yield url
 
 
-@pytest.fixture(scope="session")
-def stub_server_url(django_db_setup, django_db_blocker, tiny_model_dir, browser):
-    """Daphne with the stub engine behind it: slow replies to stop, and failures on demand."""
-    with StubEngine() as stub, run_daphne(stub.url, tiny_model_dir, "stub") as url:
+@pytest.fixture
+def restartable_server(django_db_blocker, tiny_model_dir, browser):
+    """Daphne in front of a RestartableEngine: `.url` (Daphne) and `.engine` (stop() / start())."""
+    from types import SimpleNamespace
+
+    # A reply that finds the engine gone fails at once (connection refused); the short timeout only
+    # bounds a request that would hang.
+    with RestartableEngine(tiny_model_dir) as engine, \
+            run_daphne(engine.url, tiny_model_dir, "restartable", extra_env={"INFERENCE_TIMEOUT": "15"}) as url:
         warm_up(url, browser, django_db_blocker)
-        yield url
+        yield SimpleNamespace(url=url, engine=engine)
 
 
 # ---------------------------------------------------------------------------

@@ -112,9 +112,9 @@ def hostile_conversation():
     return {"user": user, "agent": agent, "conversation": conversation, "replies": replies}
 
 
-def test_hostile_replies_title_and_user_message_render_inert(stub_server_url, new_page, shot, log_in,
+def test_hostile_replies_title_and_user_message_render_inert(live_server_url, new_page, shot, log_in,
                                                             hostile_conversation):
-    page = new_page(stub_server_url)
+    page = new_page(live_server_url)
     dialogs = watch(page)
     log_in(page, "xena", PASSWORD)
     page.goto(f"/c/{hostile_conversation['conversation'].pk}/")
@@ -140,7 +140,7 @@ def test_hostile_replies_title_and_user_message_render_inert(stub_server_url, ne
     assert_inert(page, dialogs)
 
 
-def test_payloads_in_feedback_and_agent_names_are_inert_on_staff_pages(stub_server_url, new_page, shot, log_in,
+def test_payloads_in_feedback_and_agent_names_are_inert_on_staff_pages(live_server_url, new_page, shot, log_in,
                                                                        hostile_conversation):
     """Users write feedback and name their agents; staff read both. Nothing of it may run there."""
     make_user("stella", is_staff=True)
@@ -153,7 +153,7 @@ def test_payloads_in_feedback_and_agent_names_are_inert_on_staff_pages(stub_serv
         corrected_text='<script>window.__xss=201;alert(201)</script>', comment='<svg onload="window.__xss=202">')
     Feedback.objects.create(turn=hostile_conversation["replies"][1], author=hostile_conversation["user"],
                             kind=Feedback.Kind.THUMB_DOWN, reason='"><img src=x onerror=window.__xss=203>')
-    page = new_page(stub_server_url)
+    page = new_page(live_server_url)
     dialogs = watch(page)
     log_in(page, "stella", PASSWORD)
     for url in ("/staff/", "/staff/review/?status=", f"/staff/review/{correction.pk}/", f"/staff/agents/{agent.pk}/",

@@ -1,8 +1,17 @@
 """`python manage.py serve_model`: the built-in engine behind vLLM's OpenAI-compatible API."""
+import argparse
 import logging
+import math
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
+
+
+def non_negative_seconds(value):
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 class Command(BaseCommand):
@@ -23,6 +32,9 @@ class Command(BaseCommand):
                             help="Context length; 0 means the model's max_position_embeddings.")
         parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default).")
+        parser.add_argument("--step-delay", type=non_negative_seconds, default=0.0, metavar="SECONDS",
+                            help="Pause between decode steps, to slow streaming down for demos and UI tests "
+                                 "(default 0: as fast as the model goes).")
 
     def handle(self, *args, **options):
         import torch
@@ -38,8 +50,9 @@ class Command(BaseCommand):
         served_name = options["served_model_name"] or settings.SERVED_MODEL_NAME
         engine = Engine(model_dir, device=options["device"], max_loras=options["max_loras"],
                         max_batch=options["max_batch"], max_lora_rank=options["max_lora_rank"],
-                        max_model_len=options["max_model_len"] or None)
+                        max_model_len=options["max_model_len"] or None, step_delay=options["step_delay"])
         self.stdout.write(f"Serving {model_dir} as '{served_name}' on {engine.device} at "
-                          f"http://{options['host']}:{options['port']}")
+                          f"http://{options['host']}:{options['port']}"
+                          + (f", pausing {engine.step_delay} s between steps" if engine.step_delay else ""))
         uvicorn.run(build_app(engine, served_name), host=options["host"], port=options["port"],
                     log_level="warning", access_log=False)
