@@ -144,6 +144,7 @@ class EmbeddedPostgres:
         POSTGRES_BIN_PATH = _pg_bin_path()
         entry = ensure_user_exists(self.SYSTEM_USER)
         ensure_prefix_permissions(self.pgdata)
+        ensure_prefix_permissions(POSTGRES_BIN_PATH)  # the venv may sit in a private dir (mktemp -d)
         ensure_folder_permissions(POSTGRES_BIN_PATH, 0o055)
         ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", 0o044)
         os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
