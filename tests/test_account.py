@@ -1,13 +1,23 @@
 """A user's account: data export (conversations JSON, adapters zip that peft loads) and deletion."""
 import io
 import json
+import logging
 import zipfile
 
 import pytest
 from django.urls import reverse
 
 from chat.models import Agent, ApiKey, Conversation, Feedback, Turn
-from chat.tests.factories import AgentFactory, ConversationFactory, FeedbackFactory, ReplyFactory, TurnFactory
+from chat.tests.factories import (  # noqa: F401  (engine fixtures)
+    AgentFactory,
+    ConversationFactory,
+    FeedbackFactory,
+    ReplyFactory,
+    TurnFactory,
+    engine,
+    loaded_adapters,
+    unload_after,
+)
 from serving import services as serving_services
 from serving.adapters import ADAPTER_FILES, adapter_path, validate
 from serving.models import AdapterVersion
@@ -236,24 +246,49 @@ def test_the_audit_log_keeps_every_event_with_the_user_tombstoned(client, user, 
     assert not AuditEvent.objects.filter(actor_label="alice").exists()
 
 
-def test_deleting_unloads_the_active_adapter_from_the_replicas(client, user, alice_world, monkeypatch,
-                                                               django_capture_on_commit_callbacks):
-    from serving import client as serving_client
+def load_on(server, *versions):
+    import httpx
 
-    unloaded = []
+    for version in versions:
+        response = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                              json={"lora_name": version.name, "lora_path": version.path})
+        assert response.status_code == 200, response.text
 
-    class RecordingClient:
-        def unload_adapter_sync(self, name, *, urls=None):
-            unloaded.append(name)
-            raise serving_client.InferenceUnavailable("replica down")  # best effort: deletion goes on
 
-    monkeypatch.setattr(serving_client, "get_client", RecordingClient)
+def test_deleting_unloads_the_active_adapter_from_the_replicas(client, user, alice_world, settings, engine,
+                                                               unload_after, django_capture_on_commit_callbacks):
+    unload_after(engine)
+    active, theirs = alice_world["versions"][1], alice_world["theirs"]
+    load_on(engine, active, theirs)
+    settings.INFERENCE_URLS = [engine.url]
     client.force_login(user)
+
     with django_capture_on_commit_callbacks(execute=True):
         client.post(reverse("chat:account_delete"), {"password": "pw-alice-123!"})
 
-    assert unloaded == [alice_world["versions"][1].name]
-    assert not adapter_path(alice_world["versions"][1].name).exists()
+    loaded = loaded_adapters(engine)
+    assert active.name not in loaded
+    assert theirs.name in loaded  # another user's adapter stays served
+
+
+def test_a_replica_that_is_down_does_not_stop_the_deletion(client, user, alice_world, settings, engine, unload_after,
+                                                          caplog, django_capture_on_commit_callbacks):
+    from serving.engine.testing import free_port
+
+    unload_after(engine)
+    active = alice_world["versions"][1]
+    load_on(engine, active)
+    down = f"http://127.0.0.1:{free_port()}"
+    settings.INFERENCE_URLS = [engine.url, down]
+    client.force_login(user)
+
+    with caplog.at_level(logging.WARNING, logger="serving.client"), django_capture_on_commit_callbacks(execute=True):
+        response = client.post(reverse("chat:account_delete"), {"password": "pw-alice-123!"})
+
+    assert response.status_code == 302
+    assert f"Could not unload {active.name} from {down}" in caplog.text
+    assert active.name not in loaded_adapters(engine)
+    assert not any(adapter_path(v.name).exists() for v in alice_world["versions"])
 
 
 def test_a_failed_deletion_keeps_rows_and_files(user, alice_world, monkeypatch):

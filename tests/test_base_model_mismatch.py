@@ -10,9 +10,15 @@ import shutil
 import pytest
 from django.urls import reverse
 
-from chat.tests.factories import AgentFactory, ConversationFactory, TurnFactory
+from chat.tests.factories import (  # noqa: F401  (engine fixtures)
+    AgentFactory,
+    ConversationFactory,
+    TurnFactory,
+    engine,
+    loaded_adapters,
+    unload_after,
+)
 from serving import services as serving_services
-from serving.client import StreamEvent
 from serving.models import AdapterVersion
 
 pytestmark = pytest.mark.django_db
@@ -63,50 +69,44 @@ def test_the_old_active_version_is_not_served(model_changed, user):
     assert list(serving_services.serveable_active_versions()) == []
 
 
-def test_activation_refuses_a_version_of_the_old_base(model_changed, user):
-    agent, version = model_changed
+@pytest.fixture
+def replica(settings, engine, unload_after):
+    """The session's engine as the only replica (MODEL is left as the test set it)."""
+    unload_after(engine)
+    settings.INFERENCE_URLS = [engine.url]
+    return engine
 
-    class NoLoads:
-        def load_adapter_sync(self, *args, **kwargs):
-            raise AssertionError("an incompatible version must never reach a replica")
+
+def test_activation_refuses_a_version_of_the_old_base(model_changed, user, replica):
+    agent, version = model_changed
 
     with pytest.raises(serving_services.IncompatibleAdapterError, match="another base model|not the one served"):
-        serving_services.activate_version(version, user_id=user.pk, agent_id=agent.pk, client=NoLoads())
+        serving_services.activate_version(version, user_id=user.pk, agent_id=agent.pk)
+
+    assert version.name not in loaded_adapters(replica)  # it never reached the replica
+    assert AdapterVersion.objects.get(pk=version.pk).is_active  # and nothing changed
 
 
-def test_rollback_skips_versions_of_the_old_base(model_changed, user):
+def test_rollback_skips_versions_of_the_old_base(model_changed, user, replica):
     agent, version = model_changed
-
-    class Replicas:
-        def unload_adapter_sync(self, *args, **kwargs):
-            return {}
-
-    assert serving_services.rollback(user_id=user.pk, agent_id=agent.pk, client=Replicas()) is None
+    assert serving_services.rollback(user_id=user.pk, agent_id=agent.pk) is None
+    assert not AdapterVersion.objects.filter(is_active=True).exists()
+    assert version.name not in loaded_adapters(replica)
 
 
-def test_a_replica_restart_does_not_restore_the_old_version(model_changed, user):
-    class Replica:
-        loaded = []
-
-        def health_sync(self, *, timeout=2.0):
-            return {"http://r1": {"ok": True, "adapters": [], "error": None}}
-
-        def load_adapter_sync(self, name, path, *, urls=None):
-            self.loaded.append(name)
-
-    replica = Replica()
-    serving_services.ensure_replica_adapters(client=replica)
-    assert replica.loaded == []
+def test_a_replica_restart_does_not_restore_the_old_version(model_changed, user, replica):
+    agent, version = model_changed
+    assert serving_services.ensure_replica_adapters() == {replica.url: []}
+    assert version.name not in loaded_adapters(replica)
 
 
 @pytest.mark.asyncio
 @pytest.mark.django_db(transaction=True)
-async def test_generation_uses_the_base_model(settings, tiny_model_dir, second_model, tmp_path, monkeypatch):
+async def test_generation_uses_the_base_model(settings, tiny_model_dir, second_model, tmp_path, engine):
     from asgiref.sync import sync_to_async
     from django.db import connections
 
     from chat import services as chat_services
-    from serving import client as serving_client
 
     def setup():
         from chat.tests.factories import UserFactory
@@ -119,22 +119,17 @@ async def test_generation_uses_the_base_model(settings, tiny_model_dir, second_m
         version = serving_services.publish_version(user_id=user.pk, agent_id=agent.pk, source_dir=source)
         AdapterVersion.objects.filter(pk=version.pk).update(is_active=True)
         conversation = ConversationFactory(user=user, agent=agent)
-        return TurnFactory(conversation=conversation, content="hello")
+        return version, TurnFactory(conversation=conversation, content="hello")
 
-    question = await sync_to_async(setup)()
+    version, question = await sync_to_async(setup)()
     settings.MODEL = str(second_model)
-    asked = []
-
-    class Recorder:
-        async def stream_chat(self, messages, *, adapter=None, params=None, affinity_key=None):
-            asked.append(adapter)
-            yield StreamEvent(text="hi", token_ids=[5], logprobs=[-0.1], finish_reason="stop", prompt_token_ids=[1])
-
-    monkeypatch.setattr(serving_client, "get_client", Recorder)
+    settings.INFERENCE_URLS = [engine.url]
     try:
         reply = await chat_services.acollect_reply(question)
-        assert asked == [None]
+        # Asked for the old version, the engine would answer 404 and the reload hook refuse it: a failed reply.
         assert (reply.adapter_name, reply.adapter_version_id, reply.status) == ("", None, "complete")
+        assert reply.sampling_params["model"] == "base" and reply.token_ids and reply.prompt_token_ids
+        assert version.name not in await sync_to_async(loaded_adapters)(engine)
     finally:
         await sync_to_async(connections.close_all)()
 

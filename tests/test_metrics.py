@@ -9,7 +9,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chat import presence
 from chat.models import Feedback, Turn
-from chat.tests.factories import AgentFactory, ConversationFactory, FeedbackFactory, ReplyFactory
+from chat.tests.factories import (  # noqa: F401  (engine fixtures)
+    AgentFactory,
+    ConversationFactory,
+    FeedbackFactory,
+    ReplyFactory,
+    engine,
+    loaded_adapters,
+    second_engine,
+    unload_after,
+)
 from training import metrics
 from training.models import TrainingJob
 
@@ -191,19 +200,33 @@ def test_a_replica_that_is_down_reports_up_0_and_no_adapter_count(staff_client, 
     assert value(samples, "claw_metrics_source_up", source="replicas") == 1
 
 
-def test_adapters_loaded_per_replica_come_from_health(staff_client, monkeypatch):
-    from serving import client as serving_client
+@pytest.fixture(scope="module")
+def peft_dir(tiny_model_dir, tmp_path_factory):
+    from serving.engine.testing import make_peft_adapter
 
-    class FakeClient:
-        def health_sync(self, *, timeout):
-            assert timeout <= 2
-            return {"http://r1:8000": {"ok": True, "adapters": ["u1-a1-v1", "u2-a1-v3"], "error": None},
-                    "http://r2:8000": {"ok": True, "adapters": [], "error": None}}
+    return make_peft_adapter(tiny_model_dir, tmp_path_factory.mktemp("peft") / "a", rank=8, target_modules=("q_proj",))
 
-    monkeypatch.setattr(serving_client, "get_client", FakeClient)
+
+def test_adapters_loaded_per_replica_come_from_health(staff_client, settings, engine, second_engine, peft_dir,
+                                                     unload_after):
+    import httpx
+
+    unload_after(engine, second_engine)
+    settings.INFERENCE_URLS = [engine.url, second_engine.url]
+    before = scrape(staff_client)
+    for name in ("metrics-a", "metrics-b"):
+        response = httpx.post(f"{engine.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(peft_dir)})
+        assert response.status_code == 200, response.text
+
     samples = scrape(staff_client)
-    assert value(samples, "claw_inference_adapters_loaded", replica="http://r1:8000") == 2
-    assert value(samples, "claw_inference_adapters_loaded", replica="http://r2:8000") == 0
+
+    for server in (engine, second_engine):
+        assert value(samples, "claw_inference_replica_up", replica=server.url) == 1
+        assert value(samples, "claw_inference_adapters_loaded", replica=server.url) == len(loaded_adapters(server))
+    assert value(samples, "claw_inference_adapters_loaded", replica=engine.url) == value(
+        before, "claw_inference_adapters_loaded", replica=engine.url) + 2
+    assert value(samples, "claw_inference_adapters_loaded", replica=second_engine.url) == value(
+        before, "claw_inference_adapters_loaded", replica=second_engine.url)
 
 
 def test_a_broken_source_is_reported_and_the_rest_still_scraped(staff_client, monkeypatch):

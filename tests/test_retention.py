@@ -8,7 +8,7 @@ import time
 import pytest
 from django.core.management import call_command
 
-from chat.tests.factories import AgentFactory
+from chat.tests.factories import AgentFactory, engine, loaded_adapters, second_engine, unload_after  # noqa: F401
 from serving import services as serving_services
 from serving.adapters import adapter_path, adapter_root
 from serving.models import AdapterVersion
@@ -135,36 +135,34 @@ def test_retention_runs_hourly_from_beat(settings):
 # ------------------------------------------------------------------------------
 
 
-class FakeReplicas:
-    """Two replicas: r1 already has the adapter, r2 restarted empty; r3 is down."""
-
-    def __init__(self):
-        self.loaded = []
-
-    def health_sync(self, *, timeout=2.0):
-        return {
-            "http://r1": {"ok": True, "adapters": [self.name], "error": None},
-            "http://r2": {"ok": True, "adapters": [], "error": None},
-            "http://r3": {"ok": False, "adapters": [], "error": "ConnectError"},
-        }
-
-    def load_adapter_sync(self, name, path, *, urls=None):
-        self.loaded.append((name, tuple(urls)))
-
-
 @pytest.fixture
-def replicas(publish, user, monkeypatch):
+def replicas(publish, settings, engine, second_engine, unload_after):
+    """Three replicas for one active version: the first already holds it, the second restarted
+    empty, the third is down (nothing listens on its port)."""
+    import httpx
+
+    from serving.engine.testing import free_port
+
     [version] = publish(1)
     AdapterVersion.objects.filter(pk=version.pk).update(is_active=True)
-    fake = FakeReplicas()
-    fake.name = version.name
-    monkeypatch.setattr(serving_services, "get_client", lambda: fake)
-    return fake
+    unload_after(engine, second_engine)
+    response = httpx.post(f"{engine.url}/v1/load_lora_adapter", json={"lora_name": version.name, "lora_path": version.path})
+    assert response.status_code == 200, response.text
+    down = f"http://127.0.0.1:{free_port()}"
+    settings.INFERENCE_URLS = [engine.url, second_engine.url, down]
+    return engine, second_engine, down, version.name
 
 
-def test_worker_ready_loads_active_adapters_onto_replicas_that_lack_them(replicas):
-    tasks._restore_replica_adapters(sender=None)
-    assert replicas.loaded == [(replicas.name, ("http://r2",))]
+def test_worker_ready_loads_active_adapters_onto_replicas_that_lack_them(replicas, caplog):
+    holder, restarted, down, name = replicas
+
+    with caplog.at_level(logging.INFO, logger="training.tasks"):
+        tasks._restore_replica_adapters(sender=None)
+
+    assert name in loaded_adapters(restarted)
+    assert name in loaded_adapters(holder)
+    # Only the replica that lacked it was loaded; the one that is down was skipped.
+    assert f"restored active adapters on the replicas: {({holder.url: [], restarted.url: [name], down: []})}" in caplog.text
 
 
 def test_worker_ready_survives_a_failure(monkeypatch, caplog):
@@ -184,7 +182,12 @@ def test_worker_ready_handler_is_connected():
 
 
 def test_ensure_adapters_command_reports_what_it_loaded(replicas):
+    holder, restarted, down, name = replicas
     out = io.StringIO()
+
     call_command("ensure_adapters", stdout=out)
-    assert f"http://r2: loaded 1 adapter(s): {replicas.name}" in out.getvalue()
-    assert "http://r1: loaded 0 adapter(s)" in out.getvalue()
+
+    assert out.getvalue().splitlines() == [f"{holder.url}: loaded 0 adapter(s)",
+                                           f"{restarted.url}: loaded 1 adapter(s): {name}",
+                                           f"{down}: loaded 0 adapter(s)"]
+    assert name in loaded_adapters(restarted)

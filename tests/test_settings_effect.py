@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from chat.tests.factories import engine, engine_stats, live_engine, model_settings  # noqa: F401  (fixtures)
 from tests.test_settings import documented_env_vars
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,22 +203,21 @@ def test_train_device_reaches_the_trainer():
     assert "device=settings.TRAIN_DEVICE" in source
 
 
-def test_judge_votes_and_max_tokens_shape_the_judge_calls(settings, monkeypatch):
-    from serving import client as serving_client
+def test_judge_votes_and_max_tokens_shape_the_judge_calls(settings, live_engine):
+    import time
+
     from training import judge
 
     settings.TRAINING_JUDGE_VOTES = 5
-    settings.TRAINING_JUDGE_MAX_TOKENS = 64
-    calls = []
+    settings.TRAINING_JUDGE_MAX_TOKENS = 3  # the tiny model's judge answers run far longer
+    deadline = time.monotonic() + 30
+    while engine_stats(live_engine)["running_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)  # a reply another test left streaming would add its tokens to ours
+    before = engine_stats(live_engine)["generated_tokens"]
 
-    class Judge:
-        def chat_sync(self, messages, *, adapter=None, params=None, affinity_key=None):
-            calls.append(params.max_tokens)
-            return serving_client.Completion(text="Score: 1", token_ids=[], logprobs=[], prompt_token_ids=None,
-                                             finish_reason="stop", adapter=None)
-
-    monkeypatch.setattr(serving_client, "get_client", Judge)
     verdict = judge.judge(response_text="4", next_state_text="thanks, that's right")
-    assert len(calls) == 2 * 5  # m PRM votes and m hint votes
-    assert set(calls) == {64}
-    assert len(verdict.details["prm_votes"]) == 5
+
+    generated = engine_stats(live_engine)["generated_tokens"] - before
+    assert len(verdict.details["prm_votes"]) == len(verdict.details["hint_votes"]) == 5
+    # m PRM votes and m hint votes, each at least one token and at most TRAINING_JUDGE_MAX_TOKENS.
+    assert 2 * 5 <= generated <= 2 * 5 * 3

@@ -92,6 +92,60 @@ def engine(tiny_model_dir):
         yield server
 
 
+@pytest.fixture(scope="session")
+def second_engine(tiny_model_dir):
+    """Another engine on the tiny model, for tests that need two replicas (one started per run)."""
+    from serving.engine.testing import run_engine_server
+
+    with run_engine_server(tiny_model_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def slow_engine(tiny_model_dir):
+    """An engine that waits 50 ms after each decoding step, so a reply can be stopped mid-way."""
+    from serving.engine.testing import run_engine_server
+
+    with run_engine_server(tiny_model_dir, extra_args=["--step-delay", "0.05"]) as server:
+        yield server
+
+
+def loaded_adapters(server):
+    """The adapter names an engine lists in `GET /v1/models` (the base model left out)."""
+    import httpx
+
+    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    return {m["id"] for m in models if m.get("parent")}
+
+
+def engine_stats(server):
+    """An engine's own gauges from its `GET /metrics`: generated_tokens, running_requests, ..."""
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {name.removeprefix("claw_engine_"): float(value)
+            for name, value in (line.split() for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+@pytest.fixture
+def unload_after():
+    """`unload_after(*engines)`: adapters the test loads on those engines are unloaded when it ends.
+
+    The engines live for the whole run; a test must not leave its adapters to the next one.
+    """
+    import httpx
+
+    watched = []
+
+    def watch(*servers):
+        watched.extend((server, loaded_adapters(server)) for server in servers)
+
+    yield watch
+    for server, before in watched:
+        for name in loaded_adapters(server) - before:
+            httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=10)
+
+
 @pytest.fixture
 def model_settings(settings, tiny_model_dir):
     """Point prompt building (tokenizer, context length) at the tiny model."""

@@ -19,6 +19,7 @@ from chat.tests.factories import (  # noqa: F401
     engine,
     live_engine,
     model_settings,
+    slow_engine,
 )
 from clawplatform.asgi import application
 
@@ -232,7 +233,9 @@ async def test_second_message_records_implicit_feedback(user, agent, live_engine
     await communicator.disconnect()
 
 
-async def test_stop_keeps_the_partial_reply(user, live_engine):
+async def test_stop_keeps_the_partial_reply(user, model_settings, slow_engine):
+    # 50 ms a token: the stop sent after the first delta always lands before the reply ends.
+    model_settings.INFERENCE_URLS = [slow_engine.url]
     agent = await sync_to_async(AgentFactory)(max_tokens=256, temperature=0.0)
     communicator, _ = await connect(user)
     # The tiny model answers most prompts in a few tokens; this one runs to max_tokens greedily.

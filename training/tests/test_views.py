@@ -1,70 +1,77 @@
 """Training pages: permissions, the panel, version history and activation, staff review and tools.
 
-Serving is replaced by a recording fake client (no inference server); the registry, the audit
-log and `training.services` run for real.
+Versions are real adapters published into the store; activation, rollback, behaviour diffs and
+deletion go through the real inference client to the session's engine (`serve_model` on the tiny
+model), or to a port nobody listens on where a page must report serving down. The registry, the
+audit log and `training.services` run for real.
 """
+import re
 from xml.etree import ElementTree
 
+import httpx
 import pytest
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import escape
 
 from chat.models import Agent, Feedback
-from chat.tests.factories import AgentFactory
+from chat.tests.factories import (  # noqa: F401  (engine fixtures)
+    AgentFactory,
+    dead_engine,
+    engine,
+    engine_stats,
+    live_engine,
+    loaded_adapters,
+    model_settings,
+    unload_after,
+)
+from serving.adapters import adapter_path
 from serving.models import AdapterVersion
 from training import services
 from training.models import AuditEvent, TrainingJob, TrainingPause, TrainingSample
 from training.tests.test_review import make_feedback
 
-pytestmark = pytest.mark.django_db
+# model_settings: versions are published for the model the engine serves.
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("model_settings")]
 
 
-class FakeCompletion:
-    def __init__(self, text):
-        self.text = text
+@pytest.fixture(scope="module")
+def peft_sources(tiny_model_dir, tmp_path_factory):
+    """Three real PEFT adapters for the tiny model (seeds 1-3); version n is published from the nth."""
+    from serving.engine.testing import make_peft_adapter
 
-
-class FakeClient:
-    """Stands in for serving.client.InferenceClient: records loads and answers probes."""
-
-    def __init__(self):
-        self.loaded, self.unloaded, self.chats = [], [], []
-
-    def load_adapter_sync(self, name, path, *, urls=None):
-        self.loaded.append(name)
-
-    def unload_adapter_sync(self, name, *, urls=None):
-        self.unloaded.append(name)
-        return {}
-
-    def chat_sync(self, messages, *, adapter=None, params=None, affinity_key=None):
-        self.chats.append((adapter, messages))
-        assert params.temperature == 0.0  # probes are greedy
-        return FakeCompletion(f"[{adapter or 'base'}] {messages[-1]['content']}")
+    root = tmp_path_factory.mktemp("peft")
+    return [make_peft_adapter(tiny_model_dir, root / f"s{seed}", rank=8, alpha=16, seed=seed) for seed in (1, 2, 3)]
 
 
 @pytest.fixture
-def fake_client(monkeypatch):
-    import serving.client
-    import serving.services
+def make_version(peft_sources):
+    """`make_version(user, agent, number, active=..., compatible=..., **fields)`: publish version `number`."""
+    from serving.services import publish_version
 
-    client = FakeClient()
-    monkeypatch.setattr(serving.services, "get_client", lambda: client)
-    monkeypatch.setattr(serving.client, "get_client", lambda: client)
-    monkeypatch.setattr(serving.services, "verify", lambda path, sha256: None)
-    return client
+    def make(user, agent, number, *, active=False, compatible=True, **fields):
+        version = publish_version(user_id=user.pk, agent_id=agent.pk,
+                                  source_dir=peft_sources[(number - 1) % len(peft_sources)])
+        assert version.number == number
+        if not compatible:
+            fields["base_model_hash"] = "f" * 64  # trained on another base model
+        AdapterVersion.objects.filter(pk=version.pk).update(is_active=active, **fields)
+        version.refresh_from_db()
+        return version
+
+    return make
 
 
-def make_version(user, agent, number, *, active=False, compatible=True, **fields):
-    from serving.services import base_model_identity
+@pytest.fixture
+def replica(live_engine, unload_after):
+    """The session's engine as the only replica; adapters a test loads on it go when it ends."""
+    unload_after(live_engine)
+    return live_engine
 
-    name, config_hash = base_model_identity()
-    vname = f"u{user.pk}-a{agent.pk}-v{number}"
-    return AdapterVersion.objects.create(
-        user=user, agent_id=agent.pk, number=number, name=vname, path=f"/nonexistent/{vname}", sha256="0" * 64,
-        base_model_name=name, base_model_hash=config_hash if compatible else "f" * 64, is_active=active,
-        **fields,
-    )
+
+def load_on(server, version):
+    response = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": version.name, "lora_path": version.path})
+    assert response.status_code == 200, response.text
 
 
 def login(client, user):
@@ -77,7 +84,7 @@ def login(client, user):
 
 
 @pytest.fixture
-def world(user, other_user):
+def world(user, other_user, make_version):
     """A private agent of `user` with feedback and one version, and a global agent."""
     agent = AgentFactory(owner=user)
     feedback = make_feedback(user, agent, kind=Feedback.Kind.CORRECTION, corrected_text="better")
@@ -124,7 +131,7 @@ def test_staff_pages_forbid_non_staff(client, world, other_user, user):
             assert client.get(url).status_code == 403, url
 
 
-def test_staff_pages_open_for_staff(client, world, staff_user, fake_client):
+def test_staff_pages_open_for_staff(client, world, staff_user):
     login(client, staff_user)
     for url in staff_urls(world):
         assert client.get(url).status_code == 200, url
@@ -146,7 +153,7 @@ def test_user_pages_redirect_anonymous_to_login(client, world):
         assert response.status_code == 302 and response["Location"].startswith(reverse("login")), url
 
 
-def test_user_pages_open_for_their_owner(client, world, user, fake_client):
+def test_user_pages_open_for_their_owner(client, world, user):
     login(client, user)
     for url in user_urls(world):
         assert client.get(url).status_code == 200, url
@@ -160,7 +167,7 @@ def test_user_pages_are_404_for_other_users_and_staff(client, world, other_user,
             assert client.get(url).status_code == 404, (who, url)
 
 
-def test_other_users_version_is_404_on_a_shared_agent(client, user, other_user):
+def test_other_users_version_is_404_on_a_shared_agent(client, user, other_user, make_version):
     agent = AgentFactory()  # global: both may use it
     version = make_version(user, agent, 1)
     login(client, other_user)
@@ -207,7 +214,7 @@ def test_panel_hides_train_button_without_ready_samples(client, user):
     assert "Train now" not in client.get(reverse("training:panel", args=[agent.pk])).content.decode()
 
 
-def test_panel_shows_job_progress_and_versions(client, user):
+def test_panel_shows_job_progress_and_versions(client, user, make_version):
     agent = AgentFactory()
     job = TrainingJob.objects.create(user=user, agent=agent, method="combined", state="running", progress=40)
     make_version(user, agent, 1)
@@ -221,7 +228,7 @@ def test_panel_shows_job_progress_and_versions(client, user):
     assert "Roll back to v1" in html and "Reset to base" in html
 
 
-def test_panel_warns_about_incompatible_versions(client, user):
+def test_panel_warns_about_incompatible_versions(client, user, make_version):
     agent = AgentFactory()
     make_version(user, agent, 1, compatible=False)
     login(client, user)
@@ -265,7 +272,7 @@ def test_cancel_job_of_another_user_is_404(client, user, other_user):
 # ------------------------------------------------------------------------------
 
 
-def test_rollback_confirm_page_changes_nothing(client, user, fake_client):
+def test_rollback_confirm_page_changes_nothing(client, user, make_version):
     agent = AgentFactory()
     v1 = make_version(user, agent, 1)
     make_version(user, agent, 2, active=True)
@@ -277,7 +284,7 @@ def test_rollback_confirm_page_changes_nothing(client, user, fake_client):
     assert AdapterVersion.objects.get(is_active=True).number == 2
 
 
-def test_user_rollback_activates_the_version_and_audits(client, user, fake_client):
+def test_user_rollback_activates_the_version_and_audits(client, user, replica, make_version):
     agent = AgentFactory()
     v1 = make_version(user, agent, 1)
     make_version(user, agent, 2, active=True)
@@ -287,13 +294,13 @@ def test_user_rollback_activates_the_version_and_audits(client, user, fake_clien
 
     assert response.status_code == 302
     assert list(AdapterVersion.objects.filter(is_active=True)) == [v1]
-    assert fake_client.loaded == [v1.name]
+    assert v1.name in loaded_adapters(replica)  # hot-loaded before the switch
     event = AuditEvent.objects.get(action="rollback")
     assert (event.actor, event.reason) == (user, "v2 rambles")
     assert event.before == {"version": f"u{user.pk}-a{agent.pk}-v2"} and event.after == {"version": v1.name}
 
 
-def test_rollback_goes_through_training_services_activate(client, user, monkeypatch):
+def test_rollback_goes_through_training_services_activate(client, user, monkeypatch, make_version):
     agent = AgentFactory()
     v1 = make_version(user, agent, 1)
     calls = []
@@ -305,18 +312,22 @@ def test_rollback_goes_through_training_services_activate(client, user, monkeypa
     assert calls == [(v1, {"user": user, "agent": agent, "actor": user, "reason": "by the user"})]
 
 
-def test_reset_to_base_deactivates_everything_and_audits(client, user, fake_client):
+def test_reset_to_base_deactivates_everything_and_audits(client, user, replica, make_version,
+                                                        django_capture_on_commit_callbacks):
     agent = AgentFactory()
-    make_version(user, agent, 1, active=True)
+    v1 = make_version(user, agent, 1, active=True)
+    load_on(replica, v1)  # the replica serves the active version
     login(client, user)
 
-    client.post(reverse("training:activate", args=[agent.pk]), {"version": "base"})
+    with django_capture_on_commit_callbacks(execute=True):
+        client.post(reverse("training:activate", args=[agent.pk]), {"version": "base"})
 
     assert not AdapterVersion.objects.filter(is_active=True).exists()
     assert AuditEvent.objects.filter(action="reset_to_base", actor=user).exists()
+    assert v1.name not in loaded_adapters(replica)  # unloaded once the switch committed
 
 
-def test_rollback_from_a_stale_page_acts_on_the_current_state(client, user, fake_client):
+def test_rollback_from_a_stale_page_acts_on_the_current_state(client, user, replica, make_version):
     """The page was loaded when v3 was active; v2 became active since. The POST names v1 by id."""
     agent = AgentFactory()
     v1 = make_version(user, agent, 1)
@@ -330,29 +341,19 @@ def test_rollback_from_a_stale_page_acts_on_the_current_state(client, user, fake
     assert AuditEvent.objects.get(action="rollback").before == {"version": f"u{user.pk}-a{agent.pk}-v2"}
 
 
-def test_activation_failure_is_reported_not_500(client, user, monkeypatch):
-    from serving.client import InferenceUnavailable
-
-    import serving.services
-
+def test_activation_failure_is_reported_not_500(client, user, dead_engine, make_version):
     agent = AgentFactory()
     v1 = make_version(user, agent, 1)
-
-    class DownClient(FakeClient):
-        def load_adapter_sync(self, name, path, *, urls=None):
-            raise InferenceUnavailable("down")
-
-    monkeypatch.setattr(serving.services, "get_client", lambda: DownClient())
-    monkeypatch.setattr(serving.services, "verify", lambda path, sha256: None)
     login(client, user)
 
     response = client.post(reverse("training:activate", args=[agent.pk]), {"version": v1.pk}, follow=True)
 
-    assert response.status_code == 200 and "Could not switch" in response.content.decode()
+    html = response.content.decode()
+    assert response.status_code == 200 and "Could not switch to v1" in html and "unreachable" in html
     assert not AdapterVersion.objects.filter(is_active=True).exists()
 
 
-def test_staff_activate_requires_a_reason_and_audits(client, user, staff_user, fake_client):
+def test_staff_activate_requires_a_reason_and_audits(client, user, staff_user, replica, make_version):
     agent = AgentFactory()
     v1 = make_version(user, agent, 1)
     make_version(user, agent, 2, active=True)
@@ -361,14 +362,16 @@ def test_staff_activate_requires_a_reason_and_audits(client, user, staff_user, f
 
     client.post(url, {"version": v1.pk})
     assert AdapterVersion.objects.get(is_active=True).number == 2
+    assert v1.name not in loaded_adapters(replica)
 
     client.post(url, {"version": v1.pk, "reason": "complaint #12"})
     assert AdapterVersion.objects.get(is_active=True) == v1
+    assert v1.name in loaded_adapters(replica)
     event = AuditEvent.objects.get(action="rollback")
     assert (event.actor, event.subject_user_id, event.reason) == (staff_user, user.pk, "complaint #12")
 
 
-def test_staff_activate_rejects_a_version_of_another_pair(client, user, other_user, staff_user, fake_client):
+def test_staff_activate_rejects_a_version_of_another_pair(client, user, other_user, staff_user, make_version):
     agent = AgentFactory()
     theirs = make_version(other_user, agent, 1)
     login(client, staff_user)
@@ -377,7 +380,7 @@ def test_staff_activate_rejects_a_version_of_another_pair(client, user, other_us
     assert response.status_code == 404
 
 
-def test_staff_history_shows_metrics_and_job(client, user, staff_user):
+def test_staff_history_shows_metrics_and_job(client, user, staff_user, make_version):
     agent = AgentFactory()
     v1 = make_version(user, agent, 1, metrics={"loss_ppo": 0.25, "loss_opd": 1.5, "reward_mean": 0.5,
                                                "probe_kl": 0.01, "samples_used": 4}, activated_by="system")
@@ -397,57 +400,76 @@ def test_staff_history_shows_metrics_and_job(client, user, staff_user):
 # ------------------------------------------------------------------------------
 
 
-def test_diff_shows_replies_side_by_side_and_caches_them(client, user, fake_client):
+def diff_rows(html):
+    """(prompt, before, after) per row of the diff table, as rendered (HTML-escaped)."""
+    return re.findall(r'<tr class="[^"]*">\s*<td>(.*?)</td>\s*<td>(.*?)</td>\s*<td>(.*?)</td>', html, flags=re.S)
+
+
+def greedy(server, agent, prompt, version=None):
+    """The engine's greedy reply to a probe prompt, asked directly, HTML-escaped as a page shows it."""
+    body = {"model": version.name if version else "base", "temperature": 0.0, "max_tokens": agent.max_tokens,
+            "messages": [{"role": "system", "content": agent.system_prompt}, {"role": "user", "content": prompt}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return escape(response.json()["choices"][0]["message"]["content"])
+
+
+@pytest.mark.django_db(transaction=True)  # the client's reload hook reads the registry from another thread
+def test_diff_shows_replies_side_by_side_and_caches_them(client, user, replica, make_version):
     agent = AgentFactory(probe_prompts=["Say hi", "What is 2+2?"])
-    make_version(user, agent, 1)
+    v1 = make_version(user, agent, 1)
     v2 = make_version(user, agent, 2)
     login(client, user)
     url = reverse("training:diff", args=[agent.pk, v2.pk])
 
-    html = client.get(url).content.decode()
+    rows = diff_rows(client.get(url).content.decode())
 
-    assert f"[u{user.pk}-a{agent.pk}-v1] Say hi" in html and f"[{v2.name}] Say hi" in html
-    assert len(fake_client.chats) == 4
-    client.get(url)
-    assert len(fake_client.chats) == 4  # second look served from the cache
+    assert {v1.name, v2.name} <= loaded_adapters(replica)  # the client loaded both from the store
+    expected = [(prompt, greedy(replica, agent, prompt, v1), greedy(replica, agent, prompt, v2))
+                for prompt in agent.probe_prompts]
+    assert expected[0][1] != expected[0][2]  # seeds 1 and 2 answer "Say hi" differently: the columns can't swap
+    assert [row[:2] + (row[2].split("<br>")[0],) for row in rows] == expected
+    generated = engine_stats(replica)["generated_tokens"]
+    assert diff_rows(client.get(url).content.decode()) == rows
+    assert engine_stats(replica)["generated_tokens"] == generated  # second look served from the cache
 
 
-def test_diff_of_v1_compares_with_base(client, user, staff_user, fake_client):
+@pytest.mark.django_db(transaction=True)  # the client's reload hook reads the registry from another thread
+def test_diff_of_v1_compares_with_base(client, user, staff_user, replica, make_version):
     agent = AgentFactory(probe_prompts=["Hello"])
     v1 = make_version(user, agent, 1)
     login(client, staff_user)
+
     html = client.get(reverse("training:staff-diff", args=[v1.pk])).content.decode()
-    assert "[base] Hello" in html and f"[{v1.name}] Hello" in html
+
+    assert diff_rows(html) == [("Hello", greedy(replica, agent, "Hello"), greedy(replica, agent, "Hello", v1))]
+    assert "vs base" in html
 
 
-def test_diff_reports_serving_errors(client, user, monkeypatch):
-    import serving.client
-
-    class Broken(FakeClient):
-        def chat_sync(self, *a, **kw):
-            raise serving.client.InferenceUnavailable("engine down")
-
-    monkeypatch.setattr(serving.client, "get_client", lambda: Broken())
+def test_diff_reports_serving_errors(client, user, dead_engine, make_version):
     agent = AgentFactory(probe_prompts=["Hello"])
     v1 = make_version(user, agent, 1)
     login(client, user)
+
     response = client.get(reverse("training:diff", args=[agent.pk, v1.pk]))
-    assert response.status_code == 200 and "engine down" in response.content.decode()
+
+    assert response.status_code == 200
+    [(prompt, before, after)] = diff_rows(response.content.decode())
+    assert after.startswith("<em>unavailable</em>")
+    assert "InferenceUnavailable: Inference server unreachable" in after
 
 
 # Deleting personalization data
 # ------------------------------------------------------------------------------
 
 
-def test_delete_data_removes_samples_versions_files_and_jobs(client, user, staff_user, fake_client, settings,
+def test_delete_data_removes_samples_versions_files_and_jobs(client, user, staff_user, replica, make_version,
                                                               django_capture_on_commit_callbacks):
     agent = AgentFactory(batch_size=50)
     feedback = make_feedback(user, agent)
     services.approve_feedback(feedback, reviewer=staff_user)
     version = make_version(user, agent, 1, active=True)
-    version_dir = settings.ADAPTER_ROOT / version.name
-    version_dir.mkdir()
-    (version_dir / "adapter_config.json").write_text("{}")
+    load_on(replica, version)
     TrainingJob.objects.create(user=user, agent=agent, method="combined", state="succeeded")
     login(client, user)
 
@@ -457,13 +479,14 @@ def test_delete_data_removes_samples_versions_files_and_jobs(client, user, staff
     assert not TrainingSample.objects.filter(user=user, agent=agent).exists()
     assert not TrainingJob.objects.filter(user=user, agent=agent).exists()
     assert not AdapterVersion.objects.filter(user=user, agent_id=agent.pk).exists()
-    assert not version_dir.exists()
+    assert not adapter_path(version.name).exists()
+    assert version.name not in loaded_adapters(replica)
     assert Feedback.objects.filter(pk=feedback.pk).exists()  # conversations and feedback stay
     event = AuditEvent.objects.get(action="delete_personalization")
     assert event.actor == user and event.before["versions"] == [version.name]
 
 
-def test_delete_data_refuses_while_a_job_runs(client, user):
+def test_delete_data_refuses_while_a_job_runs(client, user, make_version):
     agent = AgentFactory()
     make_version(user, agent, 1)
     TrainingJob.objects.create(user=user, agent=agent, method="combined", state="running")
