@@ -22,6 +22,8 @@ class TrainingConfig:
     target_modules: tuple = field(default=LORA_TARGET_MODULES, metadata={"help": "Modules that get LoRA A/B."})
     steps_per_job: int = field(default=8, metadata={"help": "Optimizer steps per job (each over the whole batch)."})
     batch_size: int = field(default=4, metadata={"help": "Ready samples that trigger a job."})
+    replay_corrections: int = field(default=8, metadata={"help": "The user's newest corrections (a*) from earlier "
+                                    "jobs that OPD trains on again beside the new batch; 0 = only the new batch."})
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})
     clip_eps: float = field(default=0.2, metadata={"help": "PPO ratio clip epsilon (OpenClaw-RL: 0.2)."})
     kl_coef: float = field(default=0.0, metadata={"help": "Weight of a KL-to-base penalty; 0 = off (as OpenClaw-RL)."})
@@ -52,6 +54,8 @@ class TrainingConfig:
             raise ValueError("clip_eps must be in (0, 1)")
         if self.steps_per_job < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
             raise ValueError("steps_per_job, batch_size and micro_batch_size must be >= 1")
+        if self.replay_corrections < 0:
+            raise ValueError("replay_corrections must be >= 0")
         if self.max_grad_norm <= 0 or self.kl_guard <= 0 or self.teacher_adv_clip <= 0:
             raise ValueError("max_grad_norm, kl_guard and teacher_adv_clip must be > 0")
         if not set(self.target_modules) <= set(LORA_TARGET_MODULES):

@@ -222,6 +222,29 @@ def usable_samples(user, agent, method=None):
     return samples
 
 
+def corrections_to_replay(job, limit):
+    """The newest corrections (a*) that trained the versions `job` builds on, to train again.
+
+    Each job otherwise sees only its own few samples, and a preference taught by two corrections
+    fades under the next batch. OPD is off-policy-safe (-log p(a*|c') needs no π_old), so old
+    corrections can be replayed; rewards can't (their π_old is a version that is gone). Only the
+    lineage of the job's parent version counts: after a rollback, the corrections that trained
+    the abandoned versions are not learned again.
+    """
+    if limit <= 0 or job.method not in ("opd", "combined") or job.parent_version_id is None:
+        return []
+    lineage, version, seen = [], job.parent_version, set()
+    while version is not None and version.pk not in seen and len(seen) < 1000:
+        seen.add(version.pk)
+        lineage.append(version.pk)
+        version = version.parent
+    return list(
+        TrainingSample.objects.filter(user=job.user, agent=job.agent, state=TrainingSample.State.USED,
+                                      job__result_version__in=lineage, target_text__gt="")
+        .exclude(job=job).select_related("turn__adapter_version").order_by("-created_at", "-id")[:limit]
+    )
+
+
 def is_training_paused(user, agent):
     """True when staff paused this user, this agent, or this user on this agent."""
     return TrainingPause.objects.filter(

@@ -223,10 +223,11 @@ def execute_job(job):
         samples = list(job.samples.select_related("turn__adapter_version"))
         config = TrainingConfig.from_dict(job.config)
         examples, skipped = examples_from_samples(samples)
+        replayed, _ = examples_from_samples(services.corrections_to_replay(job, config.replay_corrections))
         agent = job.agent
         try:
             metrics = train(
-                config, examples,
+                config, examples + replayed,
                 base_model_path=settings.MODEL,
                 init_adapter_dir=job.parent_version.path if job.parent_version else None,
                 out_dir=staging_dir(job.pk),
@@ -247,6 +248,7 @@ def execute_job(job):
             finish_failed(job, f"{type(exc).__name__}: {exc}")
             return job
         metrics["samples_skipped"] = sorted(set(metrics.get("samples_skipped", [])) | set(skipped))
+        metrics["samples_replayed"] = len(replayed)
         if TrainingJob.objects.filter(pk=job.pk, cancel_requested=True).exists():
             finish_failed(job, "cancelled after the last step", state=TrainingJob.State.CANCELLED)
             return job

@@ -49,6 +49,8 @@ class Example:
     reward: float = 0.0
     messages: list = field(default_factory=list)
     target_text: str = ""
+    corrected_text: str = ""  # eval only: the user's correction of this reply, if they wrote one
+    blamed_from: int = 0  # eval only: a -1 falls on response tokens from here on (see kept_prefix)
 
 
 def examples_from_samples(samples):
@@ -59,6 +61,7 @@ def examples_from_samples(samples):
         (examples, skipped_sample_ids)
     """
     examples, skipped = [], []
+    corrections = {s.feedback_id: s.target_text for s in samples if s.target_text}
     for s in samples:
         turn = s.turn
         version = turn.adapter_version
@@ -77,7 +80,8 @@ def examples_from_samples(samples):
                 skipped.append(s.pk)
                 continue
             if s.reward is not None:
-                examples.append(Example(kind="eval", reward=float(s.reward), **stored))
+                examples.append(Example(kind="eval", reward=float(s.reward),
+                                        corrected_text=corrections.get(s.feedback_id, ""), **stored))
             else:
                 examples.append(Example(kind="hint", messages=s.enhanced_messages, **stored))
         else:
@@ -165,6 +169,21 @@ def response_logprobs(model, pairs, device, pad_id):
     logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, L, V)
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, Tr, V)
     return losses.gather_logprobs(picked, targets), mask
+
+
+def kept_prefix(response_ids, corrected_ids):
+    """How many leading tokens of a reply its correction kept unchanged.
+
+    A correction says where the reply went wrong: the -1 of a corrected reply falls on the tokens
+    from the first change on, not on the opening the user kept (a sign-off appended to a good
+    answer blames only the reply's premature end). An empty or total rewrite blames everything.
+    """
+    kept = 0
+    for a, b in zip(response_ids, corrected_ids):
+        if a != b:
+            break
+        kept += 1
+    return min(kept, max(0, len(response_ids) - 1))
 
 
 def padded(rows, width, device):
@@ -269,6 +288,9 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             e.prompt_ids, e.response_ids = truncate(e.prompt_ids, e.response_ids, config.max_seq_len)
             if e.old_logprobs is not None:
                 e.old_logprobs = e.old_logprobs[: len(e.response_ids)]
+    for e in used:
+        if e.kind == "eval" and e.corrected_text and e.reward < 0:
+            e.blamed_from = kept_prefix(e.response_ids, tokenizer(e.corrected_text, add_special_tokens=False)["input_ids"])
     evals = [e for e in used if e.kind == "eval"]
     hints = [e for e in used if e.kind == "hint"]
     directive = [e for e in used if e.kind == "directive"]
@@ -318,7 +340,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             for i, (e, source) in enumerate(group):
                 n = len(e.response_ids)
                 if source == "reward":
-                    adv[i, :n] = e.reward
+                    adv[i, e.blamed_from:n] = e.reward
                 else:
                     t = torch.tensor(teacher[id(e)], device=device)
                     adv[i, :n] = losses.teacher_advantages(t, old[i, :n], mask[i, :n], clip=config.teacher_adv_clip)

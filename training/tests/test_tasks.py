@@ -206,3 +206,46 @@ def test_job_publishes_activates_once_and_audits(tiny_job, live_engine):
     TrainingJob.objects.filter(pk=job.pk).update(state="running")
     tasks.execute_job(TrainingJob.objects.get(pk=job.pk))
     assert AdapterVersion.objects.count() == 1
+
+
+def add_corrections(user, agent, texts):
+    from training.signals import build_samples
+
+    conversation = ConversationFactory(user=user, agent=agent)
+    for text in texts:
+        reply = reply_with_context(conversation)
+        build_samples(FeedbackFactory(turn=reply, author=user, kind="correction", corrected_text=text,
+                                      status="approved"))
+
+
+def run_next_job(user, agent):
+    job = services.request_training(user, agent, trigger="manual")
+    job = tasks.execute_job(tasks.claim_job(job.pk))
+    assert job.state == "succeeded", job.error
+    return job
+
+
+def test_opd_jobs_replay_the_corrections_their_version_learned_not_abandoned_ones(db, model_settings, live_engine):
+    user, agent = UserFactory(), AgentFactory(steps_per_job=1, training_method="opd")
+    add_corrections(user, agent, ["Paris. Cheers!", "Rome. Cheers!"])
+    first = run_next_job(user, agent)
+    assert first.metrics["samples_replayed"] == 0 and first.metrics["directive_samples"] == 2
+
+    add_corrections(user, agent, ["Oslo. Cheers!"])
+    second = run_next_job(user, agent)
+    # Both earlier corrections train again beside the new one.
+    assert second.metrics["samples_replayed"] == 2 and second.metrics["directive_samples"] == 3
+
+    # Back to the first version: the second job's correction belongs to an abandoned branch.
+    services.activate(first.result_version, user=user, agent=agent, actor=user)
+    add_corrections(user, agent, ["Bern. Cheers!"])
+    third = run_next_job(user, agent)
+    assert third.parent_version == first.result_version
+    assert third.metrics["samples_replayed"] == 2 and third.metrics["directive_samples"] == 3
+    replayed_texts = set(TrainingSample.objects.filter(job=first).values_list("target_text", flat=True))
+    assert replayed_texts == {"Paris. Cheers!", "Rome. Cheers!"}
+
+    # Reset to base: nothing to build on, nothing replayed.
+    services.activate(None, user=user, agent=agent, actor=user)
+    add_corrections(user, agent, ["Lima. Cheers!"])
+    assert run_next_job(user, agent).metrics["samples_replayed"] == 0

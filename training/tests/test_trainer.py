@@ -95,3 +95,47 @@ def test_config_rejects_ranks_vllm_cannot_serve():
         TrainingConfig(lora_rank=12)
     with pytest.raises(ValueError, match="method"):
         TrainingConfig(method="dpo")
+
+
+@pytest.mark.parametrize("response, corrected, kept", [
+    ([5, 6, 7, 2], [5, 6, 7, 9, 9], 3),  # a sign-off appended: only the premature end is blamed
+    ([5, 6, 7], [5, 6, 7, 9], 2),  # the whole reply kept: its last token still takes the blame
+    ([5, 6, 7], [8, 6, 7], 0),  # changed from the first token: all blamed
+    ([5, 6, 7], [], 0),
+])
+def test_kept_prefix_is_where_a_correction_starts_to_differ(response, corrected, kept):
+    from training.trainer import kept_prefix
+
+    assert kept_prefix(response, corrected) == kept
+
+
+def test_a_correction_keeps_the_blame_off_the_tokens_it_kept(tiny_model_dir, tmp_path, turn_data):
+    """A -1 reply whose correction kept all but its end: its opening barely moves, unlike an
+    uncorrected -1 reply whose every token is pushed down."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.trainer import response_logprobs
+
+    prompt, response, old = turn_data
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    kept_text = tokenizer.decode(response) + " and that is all"
+
+    def opening_logprob(out):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, out).eval()
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, [(prompt, response)], torch.device("cpu"), 0)
+        return lp[0, : len(response) - 1].sum().item()
+
+    blamed_all = Example(kind="eval", prompt_ids=prompt, response_ids=response, old_logprobs=old, reward=-1.0)
+    blamed_end = Example(kind="eval", prompt_ids=prompt, response_ids=response, old_logprobs=old, reward=-1.0,
+                         corrected_text=kept_text)
+    before = sum(old[: len(response) - 1])
+    for name, example in (("all", blamed_all), ("end", blamed_end)):
+        train(TrainingConfig(method="binary", steps_per_job=4, lr=5e-3, kl_guard=100.0), [example],
+              base_model_path=tiny_model_dir, init_adapter_dir=None, out_dir=tmp_path / name,
+              served_model_name="base", device="cpu")
+    drop_all = before - opening_logprob(tmp_path / "all")
+    drop_end = before - opening_logprob(tmp_path / "end")
+    assert drop_all > 0.5 and drop_end < drop_all / 2, (drop_all, drop_end)
