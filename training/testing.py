@@ -13,7 +13,8 @@ def run_worker(env, *, queues="default,training", name="w1"):
     """`celery -A clawplatform worker -Q ... -c 1 --pool=solo` in a real subprocess."""
     log_dir = REPO / "var" / "test-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"worker-{env['CLAW_TEST_RUN_ID']}-{name}-{int(time.time())}.log"
+    run_id = env.get("CLAW_TEST_RUN_ID", "standalone")  # set under pytest; absent for bench runs
+    log_path = log_dir / f"worker-{run_id}-{name}-{int(time.time())}.log"
     command = [sys.executable, "-m", "celery", "-A", "clawplatform", "worker", "-Q", queues, "-c", "1",
                "--pool=solo", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO"]
     with open(log_path, "wb") as log:
