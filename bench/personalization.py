@@ -56,6 +56,7 @@ class BenchConfig:
     out: Path = REPO / "docs" / "benchmarks" / "personalization"
     job_timeout_s: float = 900.0
     max_failed_jobs: int = 3  # failed jobs in a row after which an arm is reported as stalled
+    max_interactions_per_step: int = 40  # without a published step by then, the arm is stalled
 
     @classmethod
     def quick(cls, **overrides):
@@ -99,6 +100,8 @@ def platform_processes(config, model_dir, adapter_root):
         "MODEL": str(model_dir),
         "ADAPTER_ROOT": str(adapter_root),
         "TRAIN_DEVICE": config.device,
+        # Simulated users give feedback far faster than people: no flood hold for them.
+        "TRAINING_HOLD_FEEDBACK_PER_HOUR": str(10**6),
         "PYTHONUNBUFFERED": "1",
     }
     # Restored on exit: inside the test suite these are the process's real settings.
@@ -219,15 +222,20 @@ def run_until_step(user, questions, *, method, target_steps, worker, config, log
     """Interact until `target_steps` jobs have published; returns (interactions spent, stalled).
 
     A job that fails (a guard refused it) publishes nothing; after `max_failed_jobs` failures in
-    a row the arm is stalled: it stays at its last published version for the remaining steps.
+    a row, or `max_interactions_per_step` interactions without a published step (a method that
+    finds nothing to learn from: OPD when nearly every reply already passes), the arm is stalled:
+    it stays at its last published version for the remaining steps.
     """
     from training.models import TrainingJob
 
-    interactions, failures_in_a_row = 0, 0
-    while finished_jobs(user).filter(state="succeeded").count() < target_steps:
-        if failures_in_a_row >= config.max_failed_jobs:
+    interactions, failures_in_a_row, since_step = 0, 0, 0
+    published = finished_jobs(user).filter(state="succeeded").count()
+    while published < target_steps:
+        if failures_in_a_row >= config.max_failed_jobs or since_step >= config.max_interactions_per_step:
             return interactions, True
-        interactions += interact(user, questions, method=method)
+        spent = interact(user, questions, method=method)
+        interactions += spent
+        since_step += spent
         wait_for(lambda: feedback_processed(user), timeout=config.job_timeout_s, what="feedback processing",
                  process=worker)  # the one worker may be busy with a training job first
         job = TrainingJob.objects.filter(user=user.user, state__in=TrainingJob.OPEN_STATES).first()
@@ -236,6 +244,8 @@ def run_until_step(user, questions, *, method, target_steps, worker, config, log
                        timeout=config.job_timeout_s, what=f"job {job.pk}", process=worker)
             job.refresh_from_db()
             failures_in_a_row = 0 if job.state == "succeeded" else failures_in_a_row + 1
+            if job.state == "succeeded":
+                published, since_step = published + 1, 0
             if job.state != "succeeded":
                 log(f"  job {job.pk} {job.state}: {job.error}")
     return interactions, False

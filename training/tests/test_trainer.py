@@ -95,6 +95,8 @@ def test_config_rejects_ranks_vllm_cannot_serve():
         TrainingConfig(lora_rank=12)
     with pytest.raises(ValueError, match="method"):
         TrainingConfig(method="dpo")
+    with pytest.raises(ValueError, match="replay_corrections"):
+        TrainingConfig(replay_corrections=-1)
 
 
 @pytest.mark.parametrize("response, corrected, kept", [
