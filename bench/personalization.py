@@ -44,8 +44,8 @@ class BenchConfig:
     retention_questions: int = 40  # held-out questions for skill retention
     leakage_prompts: int = 8  # bystander prompts that must stay bit-identical
     batch_size: int = 4  # samples that trigger a job (the agent's batch size)
-    steps_per_job: int = 8
-    learning_rate: float = 1e-3
+    steps_per_job: int = 16
+    learning_rate: float = 2e-3
     lora_rank: int = 16
     alpha: float = 0.5
     temperature: float = 0.7  # sampling temperature of interaction replies
@@ -244,10 +244,12 @@ def run_until_step(user, questions, *, method, target_steps, worker, config, log
                        timeout=config.job_timeout_s, what=f"job {job.pk}", process=worker)
             job.refresh_from_db()
             failures_in_a_row = 0 if job.state == "succeeded" else failures_in_a_row + 1
-            if job.state == "succeeded":
-                published, since_step = published + 1, 0
             if job.state != "succeeded":
                 log(f"  job {job.pk} {job.state}: {job.error}")
+        # Count in the database: a finished job may already have queued the next one.
+        now_published = finished_jobs(user).filter(state="succeeded").count()
+        if now_published > published:
+            published, since_step = now_published, 0
     return interactions, False
 
 
@@ -259,6 +261,10 @@ def train_offline(user, worker, config):
     response = user.browser.post(f"/training/agents/{user.agent.pk}/train/")
     if response.status_code not in (200, 302):
         raise RuntimeError(f"train now answered {response.status_code}")
+    from training.models import TrainingJob
+
+    if not TrainingJob.objects.filter(user=user.user, agent=user.agent).exists():
+        return  # no correction was logged: nothing to train on, no job was queued
     wait_for(lambda: finished_jobs(user).exists(), timeout=config.job_timeout_s, what="offline job", process=worker)
 
 

@@ -14,13 +14,13 @@ class TrainingConfig:
                         "combined (L_PPO + alpha * L_OPD) or offline (OPD loss only, over all corrections)."})
     alpha: float = field(default=0.5, metadata={"help": "Weight of the OPD loss in the combined loss."})
     # 1e-6 is a full-fine-tuning rate; LoRA moves far fewer weights and needs ~100x more.
-    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate for the LoRA weights."})
+    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate for the LoRA weights."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank r; one of 8/16/32/64 so vLLM can serve it."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = lora_alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps steps deterministic."})
     target_modules: tuple = field(default=LORA_TARGET_MODULES, metadata={"help": "Modules that get LoRA A/B."})
-    steps_per_job: int = field(default=8, metadata={"help": "Optimizer steps per job (each over the whole batch)."})
+    steps_per_job: int = field(default=16, metadata={"help": "Optimizer steps per job (each over the whole batch)."})
     batch_size: int = field(default=4, metadata={"help": "Ready samples that trigger a job."})
     replay_corrections: int = field(default=8, metadata={"help": "The user's newest corrections (a*) from earlier "
                                     "jobs that OPD trains on again beside the new batch; 0 = only the new batch."})
