@@ -20,7 +20,7 @@ from . import losses
 from .config import TrainingConfig
 
 DEFAULT_PROBE_PROMPTS = ["Hello! Who are you?", "Explain what a list is in one sentence."]
-PROBE_POSITIONS = 32  # the last positions of each probe prompt the KL guard compares
+PROBE_REPLY_TOKENS = 32  # length of the greedy probe replies along which the KL guard compares
 
 
 class GuardFailed(Exception):
@@ -209,11 +209,28 @@ def mean_target_logprob(model, directive, device, pad_id, micro):
 
 
 @torch.no_grad()
-def probe_distributions(model, probe_ids, device):
-    """log-softmax over the vocabulary at the last PROBE_POSITIONS positions of each probe."""
+def probe_replies(model, probe_ids, device, eos, pad_id):
+    """(prompt, greedy reply) per probe, from the policy before this job's steps.
+
+    The guard compares next-token distributions along these replies: the behaviour a user would
+    see, not the prompt-token predictions, which no loss constrains and which drift freely.
+    """
     out = []
     for ids in probe_ids:
-        logits = model(input_ids=torch.tensor([ids], device=device)).logits[:, -PROBE_POSITIONS:]
+        generated = model.generate(torch.tensor([ids], device=device), max_new_tokens=PROBE_REPLY_TOKENS,
+                                   do_sample=False, temperature=None, top_p=None, top_k=None,
+                                   eos_token_id=eos, pad_token_id=pad_id)
+        out.append((ids, generated[0, len(ids):].tolist()))
+    return out
+
+
+@torch.no_grad()
+def probe_distributions(model, probes, device):
+    """log-softmax over the vocabulary at the positions that predict each probe reply token."""
+    out = []
+    for prompt, reply in probes:
+        ids = prompt + reply
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[:, len(prompt) - 1 : len(ids) - 1]
         out.append(torch.log_softmax(logits.float(), dim=-1))
     return out
 
@@ -315,6 +332,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 reference[id(e)] = lp[0, : int(mask.sum())].tolist()
     logp_before = mean_target_logprob(model, directive, device, pad_id, micro)
     probes = [template_ids(tokenizer, [{"role": "user", "content": p}]) for p in (probe_prompts or DEFAULT_PROBE_PROMPTS)]
+    probes = probe_replies(model, probes, device, eos, pad_id)
     probes_before = probe_distributions(model, probes, device)
 
     # 4. the loop: every step sees the whole batch, in micro-batches weighted by token count

@@ -141,3 +141,17 @@ def test_a_correction_keeps_the_blame_off_the_tokens_it_kept(tiny_model_dir, tmp
     drop_all = before - opening_logprob(tmp_path / "all")
     drop_end = before - opening_logprob(tmp_path / "end")
     assert drop_all > 0.5 and drop_end < drop_all / 2, (drop_all, drop_end)
+
+
+def test_the_kl_guard_compares_distributions_along_the_greedy_probe_reply(tiny_model_dir):
+    from training.trainer import PROBE_REPLY_TOKENS, end_token_id, probe_distributions, probe_replies
+
+    tokenizer, model = load_policy(tiny_model_dir, None, TrainingConfig(), torch.device("cpu"))
+    model.eval()
+    prompt = template_ids(tokenizer, QUESTION)
+    [(ids, reply)] = probe_replies(model, [prompt], torch.device("cpu"), end_token_id(tokenizer, model), 0)
+    assert ids == prompt and 1 <= len(reply) <= PROBE_REPLY_TOKENS
+    [dist] = probe_distributions(model, [(ids, reply)], torch.device("cpu"))
+    assert dist.shape[:2] == (1, len(reply))
+    # Each position is the distribution that produced the reply's token there (greedy: the argmax).
+    assert dist[0].argmax(-1).tolist() == reply
