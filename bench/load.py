@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import secrets
-import statistics
 import struct
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from serving.engine.testing import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_DIR = REPO / "var" / "test-logs"
@@ -219,16 +220,6 @@ def wait_http(url, *, timeout, process=None, log_path=None):
             tail = log_path.read_text(errors="replace")[-4000:] if log_path else ""
             raise RuntimeError(f"{url} did not answer in {timeout}s:\n{tail}")
         time.sleep(0.2)
-
-
-def stop_process(process, grace=15):
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+from serving.engine.testing import stop_process
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -23,13 +25,7 @@ def run_worker(env, *, queues="default,training", name="w1"):
     try:
         yield process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, grace=20)
 
 
 def wait_for(predicate, *, timeout, interval=0.25, what="condition", process=None):

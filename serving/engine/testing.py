@@ -20,6 +20,17 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def stop_process(process, grace=15):
+    """Terminate a subprocess, killing it if it hasn't exited after `grace` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @dataclass
 class EngineServer:
     url: str  # e.g. "http://127.0.0.1:8123", without /v1
@@ -72,13 +83,7 @@ def run_engine_server(model_dir, *, port=0, env=None, extra_args=(), startup_tim
             time.sleep(0.2)
         yield server
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def make_peft_adapter(model_dir, out_dir, *, rank=4, alpha=8, seed=0, target_modules=ALL_TARGETS, std=0.05,

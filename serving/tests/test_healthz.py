@@ -1,12 +1,11 @@
 """/healthz against the real services: Postgres, Redis, a Celery worker subprocess and an engine."""
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from serving.engine.testing import REPO, free_port, run_engine_server
+from serving.engine.testing import free_port, run_engine_server
+from training.testing import run_worker
 
 pytestmark = pytest.mark.django_db
 
@@ -22,28 +21,13 @@ def celery_worker():
     """A real `celery worker` on the test broker prefix, until the module's tests end."""
     from clawplatform.celery import app
 
-    name = f"healthz-{os.getpid()}@%h"
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "clawplatform.settings.test", "OMP_NUM_THREADS": "1"}
-    log = open(REPO / "var" / "test-logs" / f"healthz-worker-{os.getpid()}.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "clawplatform", "worker", "-Q", "default", "-P", "solo",
-         "--without-gossip", "--without-mingle", "-n", name, "--loglevel", "INFO"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
+    with run_worker(env, queues="default", name=f"healthz-{os.getpid()}") as process:
         deadline = time.monotonic() + 120
         while not app.control.ping(timeout=1.0):
             assert process.poll() is None, "the celery worker exited; see var/test-logs"
             assert time.monotonic() < deadline, "the celery worker did not answer pings in 120 s"
         yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 @pytest.fixture

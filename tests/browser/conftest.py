@@ -23,6 +23,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from serving.engine.testing import stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "tests" / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -100,12 +102,7 @@ def run_daphne(inference_url, model_dir, name, *, extra_env=None):
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace=10)
 
 
 @pytest.fixture(scope="session")
