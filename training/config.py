@@ -27,6 +27,9 @@ class TrainingConfig:
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})
     clip_eps: float = field(default=0.2, metadata={"help": "PPO ratio clip epsilon (OpenClaw-RL: 0.2)."})
     kl_coef: float = field(default=0.0, metadata={"help": "Weight of a KL-to-base penalty; 0 = off (as OpenClaw-RL)."})
+    distill_kept_tokens: bool = field(default=True, metadata={"help": "Tokens of a* that the user kept from the "
+                                      "reply they corrected learn the base model's distribution (KL) instead of "
+                                      "the sampled tokens themselves; False = plain -log p(a*) on every token."})
     opd_mode: str = field(default="token", metadata={"help": "token: -log p(a*|c') on the target; teacher: "
                           "advantage = clip(log p_teacher(a|c') - log p_old(a|c), ±1) in the PPO loss."})
     teacher_adv_clip: float = field(default=1.0, metadata={"help": "Clip of the teacher-mode token advantage."})

@@ -71,20 +71,31 @@ def ppo_clip_fraction(logprobs, old_logprobs, mask, *, clip_eps=0.2):
         return masked_mean(outside, mask)
 
 
-def opd_loss(logprobs_of_targets, mask):
+def opd_loss(logprobs_of_targets, mask, *, kept_mask=None, kept_kl=None):
     """Hindsight on-policy distillation, token form: L = -sum_i log pi(a*_i | c', a*_<i) / N.
 
     a* is the user's corrected reply and c' the context with the hindsight hint appended. The
     sum runs over target tokens only (mask) and is divided by their count N, so the loss is in
     nats per target token and its scale doesn't grow with the correction's length.
 
+    Tokens under `kept_mask` (those the user kept from the reply they corrected) contribute
+    `kept_kl` instead: KL(pi_base || pi_theta) over the vocabulary there. They hold the model to its
+    usual behaviour where the user changed nothing, rather than teaching the sampled tokens
+    themselves (slips included) again.
+
     Args:
         logprobs_of_targets: (B, T) log pi_theta of each target token a*_i.
         mask: (B, T) 1 on target tokens, 0 on padding.
+        kept_mask: optional (B, T) 1 on the kept target tokens (a subset of mask).
+        kept_kl: (B, T) per-token KL to the base model; required with kept_mask.
     Returns:
         Scalar loss.
     """
-    return -masked_mean(logprobs_of_targets, mask)
+    if kept_mask is None:
+        return -masked_mean(logprobs_of_targets, mask)
+    mask, kept_mask = mask.to(logprobs_of_targets.dtype), kept_mask.to(logprobs_of_targets.dtype)
+    per_token = -logprobs_of_targets * (mask - kept_mask) + kept_kl * kept_mask
+    return per_token.sum() / mask.sum().clamp(min=1.0)
 
 
 def teacher_advantages(teacher_logprobs, old_logprobs, mask, *, clip=1.0):
@@ -134,6 +145,11 @@ def combined_loss(ppo, opd, *, alpha=0.5, kl=None, kl_coef=0.0):
     return loss
 
 
+def position_kl(logprobs_p, logprobs_q):
+    """Exact KL(p || q) over the vocabulary at each position: (B, T, V) log-softmaxes -> (B, T)."""
+    return (logprobs_p.exp() * (logprobs_p - logprobs_q)).sum(-1)
+
+
 def distribution_kl(logprobs_p, logprobs_q, mask):
     """Exact KL(p || q) over the vocabulary per position, token-averaged (the probe guard).
 
@@ -143,5 +159,4 @@ def distribution_kl(logprobs_p, logprobs_q, mask):
     Returns:
         Scalar tensor, nats per position.
     """
-    per_position = (logprobs_p.exp() * (logprobs_p - logprobs_q)).sum(-1)
-    return masked_mean(per_position, mask)
+    return masked_mean(position_kl(logprobs_p, logprobs_q), mask)

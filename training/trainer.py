@@ -51,6 +51,8 @@ class Example:
     target_text: str = ""
     corrected_text: str = ""  # eval only: the user's correction of this reply, if they wrote one
     blamed_from: int = 0  # eval only: a -1 falls on response tokens from here on (see kept_prefix)
+    original_ids: list = field(default_factory=list)  # directive only: the reply a* corrects, if stored
+    edited: list | None = None  # directive only: 1 per target token the correction changed (see edited_tokens)
 
 
 def examples_from_samples(samples):
@@ -61,7 +63,9 @@ def examples_from_samples(samples):
         (examples, skipped_sample_ids)
     """
     examples, skipped = [], []
-    corrections = {s.feedback_id: s.target_text for s in samples if s.target_text}
+    # Every -1 on a corrected reply (the thumb, the correction, the next message) blames only what
+    # the correction changed.
+    corrections = {s.turn_id: s.target_text for s in samples if s.target_text}
     for s in samples:
         turn = s.turn
         version = turn.adapter_version
@@ -74,14 +78,14 @@ def examples_from_samples(samples):
         )
         if s.target_text:
             examples.append(Example(kind="directive", sample_id=s.pk, messages=s.enhanced_messages or s.context_messages,
-                                    target_text=s.target_text))
+                                    target_text=s.target_text, original_ids=list(turn.token_ids or [])))
         elif s.reward is not None or s.hint:
             if not stored["prompt_ids"] or not stored["response_ids"]:
                 skipped.append(s.pk)
                 continue
             if s.reward is not None:
                 examples.append(Example(kind="eval", reward=float(s.reward),
-                                        corrected_text=corrections.get(s.feedback_id, ""), **stored))
+                                        corrected_text=corrections.get(s.turn_id, ""), **stored))
             else:
                 examples.append(Example(kind="hint", messages=s.enhanced_messages, **stored))
         else:
@@ -144,11 +148,12 @@ def truncate(prompt_ids, response_ids, max_len):
     return prompt_ids[-room:], response_ids[: max_len - 1]
 
 
-def response_logprobs(model, pairs, device, pad_id):
+def response_logprobs(model, pairs, device, pad_id, distributions=False):
     """log π(response | prompt) per response token, for a micro-batch of (prompt, response).
 
     Returns:
-        (logprobs (B, Tr), mask (B, Tr)) with responses left-aligned and right-padded.
+        (logprobs (B, Tr), mask (B, Tr)) with responses left-aligned and right-padded, and with
+        distributions=True also the log-softmax over the vocabulary at those positions (B, Tr, V).
     """
     lengths = [len(p) + len(r) for p, r in pairs]
     L, Tr = max(lengths), max(len(r) for _, r in pairs)
@@ -168,6 +173,8 @@ def response_logprobs(model, pairs, device, pad_id):
     positions, targets, mask = positions.to(device), targets.to(device), mask.to(device)
     logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, L, V)
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, Tr, V)
+    if distributions:
+        return losses.gather_logprobs(picked, targets), mask, torch.log_softmax(picked.float(), dim=-1)
     return losses.gather_logprobs(picked, targets), mask
 
 
@@ -186,6 +193,25 @@ def kept_prefix(response_ids, corrected_ids):
     return min(kept, max(0, len(response_ids) - 1))
 
 
+def edited_tokens(original_ids, target_ids, eos):
+    """1 for each token of a* (target_ids, ending in eos) that the user's correction changed, 0 for
+    the opening and the ending they kept from the reply (original_ids) as it was sampled.
+
+    The kept tokens are the model's own sample: OPD holds them to the base model's distribution
+    instead of teaching the sampled tokens again, slips included (see losses.opd_loss). The eos
+    always counts as changed: where the reply stops is part of what the user said.
+    """
+    body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
+    original = [t for t in original_ids if t != eos]
+    start = 0
+    while start < min(len(body), len(original)) and body[start] == original[start]:
+        start += 1
+    end = len(body)
+    while end > start and len(body) - end < len(original) - start and body[end - 1] == original[len(original) - len(body) + end - 1]:
+        end -= 1
+    return [int(start <= i < end) for i in range(len(body))] + [1] * (len(target_ids) - len(body))
+
+
 def padded(rows, width, device):
     out = torch.zeros((len(rows), width), device=device)
     for i, row in enumerate(rows):
@@ -199,10 +225,12 @@ def chunks(items, size):
 
 @torch.no_grad()
 def mean_target_logprob(model, directive, device, pad_id, micro):
-    """Mean log p(a*_i | c', a*_<i) over all target tokens (nats/token); None without targets."""
+    """Mean log p(a*_i | c', a*_<i) over the target tokens the correction changed (nats/token);
+    None without targets."""
     total, count = 0.0, 0
     for group in chunks(directive, micro):
         lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id)
+        mask = mask * padded([e.edited for e in group], mask.size(1), device)
         total += (lp * mask).sum().item()  # CPU-GPU sync point
         count += int(mask.sum().item())
     return total / count if count else None
@@ -299,6 +327,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         if e.kind == "directive":
             target = tokenizer(e.target_text, add_special_tokens=False)["input_ids"] + [eos]
             e.prompt_ids, e.response_ids = truncate(template_ids(tokenizer, e.messages), target, config.max_seq_len)
+            e.edited = edited_tokens(e.original_ids, e.response_ids, eos)
         else:
             if e.old_logprobs is not None and len(e.old_logprobs) != len(e.response_ids):
                 e.old_logprobs = None  # a torn record: recompute rather than misalign
@@ -379,10 +408,20 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             parts["kl"] += kl.item()
             parts["clip_frac"] += (losses.ppo_clip_fraction(lp, old, mask, clip_eps=config.clip_eps) * weight).item()
 
-        # forward/backward, OPD part: -log p(a* | c') on target tokens
+        # forward/backward, OPD part: -log p(a* | c') on the tokens the user changed, KL to the base
+        # model on those they kept
         for group in chunks(directive, micro):
-            lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id)
-            opd = losses.opd_loss(lp, mask) * (mask.sum() / opd_tokens)
+            pairs = [(e.prompt_ids, e.response_ids) for e in group]
+            lp, mask, dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
+            kept = mask * (1 - padded([e.edited for e in group], mask.size(1), device))
+            kept_kl = None
+            if config.distill_kept_tokens and kept.any():
+                with torch.no_grad(), model.disable_adapter():
+                    _, _, base_dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
+                kept_kl = losses.position_kl(base_dist, dist)
+            else:
+                kept = None
+            opd = losses.opd_loss(lp, mask, kept_mask=kept, kept_kl=kept_kl) * (mask.sum() / opd_tokens)
             (alpha * opd).backward()
             parts["opd"] += opd.item()
 

@@ -162,3 +162,19 @@ def test_prompt_tokens_get_no_gradient_signal(tiny):
     assert mask_a.tolist() == [[1, 1]]
     assert mask_b[0].tolist() == [1, 1, 0, 0]
     assert torch.allclose(a[0], b[0, :2], atol=1e-5)
+
+
+def test_opd_loss_holds_kept_tokens_to_the_base_instead_of_the_sample():
+    lp = t([[-2.0, -4.0, -6.0]])
+    mask, kept = t([[1, 1, 1]]), t([[0, 1, 0]])
+    kl = t([[9.0, 0.5, 9.0]])
+    # changed tokens: -log p; the kept one: its KL to the base; over all 3 target tokens
+    assert losses.opd_loss(lp, mask, kept_mask=kept, kept_kl=kl).item() == pytest.approx((2 + 0.5 + 6) / 3)
+    assert losses.opd_loss(lp, mask, kept_mask=t([[0, 0, 0]]), kept_kl=kl).item() == pytest.approx(4.0)
+
+
+def test_position_kl_is_zero_only_where_distributions_agree():
+    p = torch.log_softmax(t([[[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]]), -1)
+    q = torch.log_softmax(t([[[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]]), -1)
+    kl = losses.position_kl(p, q)
+    assert kl.shape == (1, 2) and kl[0, 0].item() == pytest.approx(0.0, abs=1e-6) and kl[0, 1].item() > 0.5

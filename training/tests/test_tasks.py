@@ -249,3 +249,30 @@ def test_opd_jobs_replay_the_corrections_their_version_learned_not_abandoned_one
     services.activate(None, user=user, agent=agent, actor=user)
     add_corrections(user, agent, ["Lima. Cheers!"])
     assert run_next_job(user, agent).metrics["samples_replayed"] == 0
+
+
+def test_every_minus_one_on_a_corrected_reply_knows_the_correction(db):
+    """The thumb-down and the correction of one reply both blame only what the correction changed,
+    and the correction's OPD target knows the reply it corrected."""
+    from training.signals import build_samples
+    from training.trainer import examples_from_samples
+
+    user, agent = UserFactory(), AgentFactory()
+    reply = reply_with_context(ConversationFactory(user=user, agent=agent), prompt_token_ids=[1, 2, 3],
+                               token_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3])
+    samples = []
+    for kind, fields in (("thumb_down", {}), ("correction", {"corrected_text": "Paris. Cheers!"})):
+        samples += build_samples(FeedbackFactory(turn=reply, author=user, kind=kind, status="approved", **fields))
+    other = reply_with_context(ConversationFactory(user=user, agent=agent), prompt_token_ids=[1, 2],
+                               token_ids=[5, 6], logprobs=[-0.1, -0.2])
+    samples += build_samples(FeedbackFactory(turn=other, author=user, kind="thumb_down", status="approved"))
+
+    examples, skipped = examples_from_samples(TrainingSample.objects.filter(pk__in=[s.pk for s in samples])
+                                              .select_related("turn__adapter_version"))
+    assert skipped == []
+    on_reply = [e for e in examples if e.kind == "eval" and e.response_ids == [7, 8, 9]]
+    assert len(on_reply) == 2 and {e.corrected_text for e in on_reply} == {"Paris. Cheers!"}
+    [on_other] = [e for e in examples if e.kind == "eval" and e.response_ids == [5, 6]]
+    assert on_other.corrected_text == ""
+    [directive] = [e for e in examples if e.kind == "directive"]
+    assert directive.target_text == "Paris. Cheers!" and directive.original_ids == [7, 8, 9]

@@ -111,6 +111,31 @@ def test_kept_prefix_is_where_a_correction_starts_to_differ(response, corrected,
     assert kept_prefix(response, corrected) == kept
 
 
+EOS = 2
+
+
+@pytest.mark.parametrize("original, target, weights", [
+    # a sign-off appended: the kept reply weighs nothing, the sign-off and the end count
+    ([5, 6, 7, EOS], [5, 6, 7, 8, 9, EOS], [0, 0, 0, 1, 1, 1]),
+    # a prefix added: the kept reply after it weighs nothing
+    ([5, 6, 7, EOS], [4, 5, 6, 7, EOS], [1, 0, 0, 0, 1]),
+    # a word changed in the middle
+    ([5, 6, 7, EOS], [5, 9, 7, EOS], [0, 1, 0, 1]),
+    # cut short: only where it now stops is taught
+    ([5, 6, 7, 8, EOS], [5, 6, EOS], [0, 0, 1]),
+    # rewritten throughout (uppercase): everything counts
+    ([5, 6, 7, EOS], [8, 9, EOS], [1, 1, 1]),
+    # a repeated token is not counted twice, as kept opening and kept ending
+    ([5, 5, EOS], [5, 5, 5, EOS], [0, 0, 1, 1]),
+    # no stored reply (an a* written from scratch): plain SFT
+    ([], [5, 6, EOS], [1, 1, 1]),
+])
+def test_opd_knows_which_tokens_the_correction_changed(original, target, weights):
+    from training.trainer import edited_tokens
+
+    assert edited_tokens(original, target, EOS) == weights
+
+
 def test_a_correction_keeps_the_blame_off_the_tokens_it_kept(tiny_model_dir, tmp_path, turn_data):
     """A -1 reply whose correction kept all but its end: its opening barely moves, unlike an
     uncorrected -1 reply whose every token is pushed down."""
@@ -155,3 +180,41 @@ def test_the_kl_guard_compares_distributions_along_the_greedy_probe_reply(tiny_m
     assert dist.shape[:2] == (1, len(reply))
     # Each position is the distribution that produced the reply's token there (greedy: the argmax).
     assert dist[0].argmax(-1).tolist() == reply
+
+
+def test_opd_holds_the_tokens_a_correction_kept_to_the_base_model(tiny_model_dir, tmp_path, turn_data):
+    """A correction that appends to a sampled reply: both ways learn the appended words, but only
+    plain -log p(a*) also drags the kept reply away from the base model's distribution."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.losses import position_kl
+    from training.trainer import edited_tokens, end_token_id, response_logprobs
+
+    prompt, response, _ = turn_data
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reply = [t for t in response if t != 2]
+    target_text = tokenizer.decode(reply) + " and that is all"
+
+    def measure(out):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, out).eval()
+        target = tokenizer(target_text, add_special_tokens=False)["input_ids"] + [end_token_id(tokenizer, model)]
+        edited = torch.tensor(edited_tokens(response, target, end_token_id(tokenizer, model)), dtype=torch.float32)
+        with torch.no_grad():
+            lp, _, dist = response_logprobs(model, [(prompt, target)], torch.device("cpu"), 0, distributions=True)
+            with model.disable_adapter():
+                _, _, base_dist = response_logprobs(model, [(prompt, target)], torch.device("cpu"), 0,
+                                                    distributions=True)
+        kept_kl = (position_kl(base_dist, dist)[0] * (1 - edited)).sum() / (1 - edited).sum()
+        return (lp[0] * edited).sum().item() / edited.sum().item(), kept_kl.item()
+
+    for name, distill in (("sft", False), ("distill", True)):
+        directive = Example(kind="directive", messages=QUESTION, target_text=target_text, original_ids=response)
+        train(TrainingConfig(method="opd", steps_per_job=6, lr=5e-3, kl_guard=100.0, distill_kept_tokens=distill),
+              [directive], base_model_path=tiny_model_dir, init_adapter_dir=None, out_dir=tmp_path / name,
+              served_model_name="base", device="cpu")
+    sft_logp, sft_kept_kl = measure(tmp_path / "sft")
+    distill_logp, distill_kept_kl = measure(tmp_path / "distill")
+    assert distill_logp > sft_logp - 0.5, (distill_logp, sft_logp)  # the edit is learned as well
+    assert distill_kept_kl < sft_kept_kl / 2, (distill_kept_kl, sft_kept_kl)
