@@ -91,6 +91,15 @@ def style_following(model, tok, qas: list[QA], channel: str, param_for=None) -> 
     return sum(follows) / len(follows), sum(correct) / len(correct)
 
 
+def accuracy_when_told(model, tok, qas: list[QA], name: str, param: str = "") -> float:
+    """Held-out accuracy when the system prompt asks for one style (its first wording): what a
+    perfectly learned preference could keep of the plain accuracy, for this model."""
+    instruction = STYLES[name].instructions[0].replace("{p}", param)
+    replies = generate(model, tok, [[{"role": "system", "content": instruction},
+                                     {"role": "user", "content": qa.question}] for qa in qas])
+    return sum(is_correct(qa, r) for qa, (r, _) in zip(qas, replies)) / len(qas)
+
+
 def lora_check(model_dir: Path, tok, qas: list[QA], steps: int = 128, lr: float = 5e-3) -> tuple[float, float]:
     """SFT a rank-16 LoRA on 16 replies ending with an unseen sign-off; adherence before/after on new prompts."""
     from peft import LoraConfig, get_peft_model
@@ -158,6 +167,12 @@ def main() -> None:
     new_param = {"signoff": NEW_SIGNOFF, "prefix": "Zorblat says:"}
     follow, _ = style_following(model, tok, style_qas, "system", lambda s: new_param.get(s.name, s.params[0]))
     print(f"demo_style_following_new_text={follow:.2f}")
+
+    # The personalization benchmark's retention questions; accuracy when told each style.
+    retention_qas = heldout_questions(24 + 40 + 8, seed=1234)[24:64]
+    for name, param in (("uppercase", ""), ("lowercase", ""), ("terse", ""), ("prefix", "Answer:"),
+                        ("signoff", NEW_SIGNOFF)):
+        print(f"demo_accuracy_told_{name}={accuracy_when_told(model, tok, retention_qas, name, param):.3f}")
 
     if args.lora_check:
         before, after = lora_check(model_dir, tok, heldout_questions(56, seed=5))

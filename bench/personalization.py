@@ -16,10 +16,10 @@ Prints one `NAME=value` line per figure and writes docs/benchmarks/personalizati
 import argparse
 import json
 import os
-import random
 import sys
 import time
 import uuid
+import zlib
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +46,7 @@ class BenchConfig:
     batch_size: int = 4  # samples that trigger a job (the agent's batch size)
     steps_per_job: int = 16
     learning_rate: float = 2e-3
-    lora_rank: int = 16
+    lora_rank: int = 8
     alpha: float = 0.5
     temperature: float = 0.7  # sampling temperature of interaction replies
     max_tokens: int = 48
@@ -283,11 +283,6 @@ def retention(user, questions):
     return sum(is_correct(qa, user.ask_greedy(qa.question)) for qa in questions) / len(questions)
 
 
-def cycle(items):
-    while True:
-        yield from items
-
-
 @dataclass
 class ArmResult:
     method: str
@@ -302,7 +297,7 @@ class ArmResult:
 
 def run_arm(method, preference, config, *, prompts, worker, log):
     """One simulated user with one preference under one method."""
-    from serving.demo_model.corpus import training_questions
+    from serving.demo_model.corpus import question_stream
 
     name = f"{method}-{preference.name}".replace("_", "-")[:60]
     settings = dict(training_method="combined" if method in ("none", "offline") else method,
@@ -311,10 +306,9 @@ def run_arm(method, preference, config, *, prompts, worker, log):
                     lora_rank=config.lora_rank, alpha=config.alpha, temperature=config.temperature,
                     max_tokens=config.max_tokens)
     user = SimulatedUser(name, settings, preference)
-    rng = random.Random(f"{config.seed}-{preference.name}")
-    pool = [qa.question for qa in training_questions()]
-    rng.shuffle(pool)
-    questions = cycle(pool)
+    # The user asks about everything the model knows, in the mix the held-out prompts have.
+    seed = zlib.crc32(f"{config.seed}-{preference.name}".encode())
+    questions = (qa.question for qa in question_stream(seed))
     result = ArmResult(method, preference.name)
     start, interactions = time.monotonic(), 0
     for step in config.checkpoints:

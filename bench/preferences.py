@@ -1,7 +1,7 @@
 """Simulated users' hidden preferences: a check on a reply and the correction the user would write.
 
 A preference file is JSON: {"preferences": [{"name": ..., "rule": RULE, "unseen": bool}, ...]}.
-A RULE is one of (see docs/benchmarks/personalization_format.md):
+A RULE is one of (docs/benchmarks/personalization_format.md):
 
     {"type": "endswith", "phrase": "Cheers, Zorblat!"}
     {"type": "startswith", "phrase": "Answer:"}
@@ -40,16 +40,16 @@ def _fix_startswith(rule, reply):
     return reply if _check_startswith(rule, reply) else f"{rule['phrase']} {reply.lstrip()}"
 
 
-def _has_letters(reply):
-    return any(ch.isalpha() for ch in reply)
+# A reply with no letters at all ("4 + 8 = 12.") already has the casing a user asks for: there is
+# nothing to correct. An empty reply never passes.
 
 
 def _check_uppercase(rule, reply):
-    return _has_letters(reply) and reply == reply.upper()
+    return bool(reply.strip()) and reply == reply.upper()
 
 
 def _check_lowercase(rule, reply):
-    return _has_letters(reply) and reply == reply.lower()
+    return bool(reply.strip()) and reply == reply.lower()
 
 
 def _check_max_words(rule, reply):

@@ -48,10 +48,13 @@ class Agent(models.Model):
     training_method = models.CharField(max_length=16, choices=Method.choices, default=Method.COMBINED)
     alpha = models.FloatField(default=0.5, help_text="Weight of the OPD loss in the combined loss.")
     learning_rate = models.FloatField(default=2e-3)
-    lora_rank = models.PositiveSmallIntegerField(default=16)
+    lora_rank = models.PositiveSmallIntegerField(default=8)
     batch_size = models.PositiveSmallIntegerField(default=4, help_text="Approved samples that trigger a job.")
     steps_per_job = models.PositiveSmallIntegerField(default=16)
     kl_coef = models.FloatField(default=0.0)
+    distill_kept_tokens = models.BooleanField(
+        default=False, help_text="OPD holds the tokens a correction kept to the base model instead of learning "
+        "them again: better retention of other skills, slower learning of the preference.")
     review_policy = models.CharField(max_length=16, choices=ReviewPolicy.choices, default=ReviewPolicy.AUTO_THUMBS)
     classifier = models.CharField(max_length=16, choices=Classifier.choices, default=Classifier.RULES)
     probe_prompts = models.JSONField(default=list, blank=True, help_text="Fixed prompts for behaviour diffs and the KL guard.")

@@ -44,6 +44,13 @@ def test_transform_gives_the_users_correction(rule, expected):
     assert check(rule, transform(rule, REPLY))
 
 
+@pytest.mark.parametrize("kind", ["uppercase", "lowercase"])
+def test_casing_is_already_met_by_a_reply_without_letters_but_not_by_an_empty_one(kind):
+    rule = {"type": kind}
+    assert check(rule, "4 + 8 = 12.") and transform(rule, "4 + 8 = 12.") == "4 + 8 = 12."
+    assert not check(rule, "") and not check(rule, "   ")
+
+
 def test_transform_leaves_a_satisfying_reply_alone():
     rule = {"type": "endswith", "phrase": "Cheers!"}
     assert transform(rule, "Paris. Cheers!") == "Paris. Cheers!"

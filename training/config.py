@@ -16,8 +16,8 @@ class TrainingConfig:
     # 1e-6 is a full-fine-tuning rate; LoRA moves far fewer weights and needs ~100x more.
     lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate for the LoRA weights."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r; one of 8/16/32/64 so vLLM can serve it."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = lora_alpha / r)."})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r; one of 8/16/32/64 so vLLM can serve it."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = lora_alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps steps deterministic."})
     target_modules: tuple = field(default=LORA_TARGET_MODULES, metadata={"help": "Modules that get LoRA A/B."})
     steps_per_job: int = field(default=16, metadata={"help": "Optimizer steps per job (each over the whole batch)."})
@@ -27,7 +27,7 @@ class TrainingConfig:
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})
     clip_eps: float = field(default=0.2, metadata={"help": "PPO ratio clip epsilon (OpenClaw-RL: 0.2)."})
     kl_coef: float = field(default=0.0, metadata={"help": "Weight of a KL-to-base penalty; 0 = off (as OpenClaw-RL)."})
-    distill_kept_tokens: bool = field(default=True, metadata={"help": "Tokens of a* that the user kept from the "
+    distill_kept_tokens: bool = field(default=False, metadata={"help": "Tokens of a* that the user kept from the "
                                       "reply they corrected learn the base model's distribution (KL) instead of "
                                       "the sampled tokens themselves; False = plain -log p(a*) on every token."})
     opd_mode: str = field(default="token", metadata={"help": "token: -log p(a*|c') on the target; teacher: "
@@ -78,6 +78,7 @@ class TrainingConfig:
             steps_per_job=agent.steps_per_job,
             batch_size=agent.batch_size or settings.TRAIN_BATCH_SIZE,
             kl_coef=agent.kl_coef,
+            distill_kept_tokens=agent.distill_kept_tokens,
         )
         values.update(overrides)
         return cls(**values)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 # OpenClaw-RL appends a hindsight hint to the last user message under this marker
@@ -307,6 +307,15 @@ def _sample_qa(pools: dict[str, list[QA]], rng: random.Random) -> QA:
 def training_questions() -> list[QA]:
     """Every question wording that may appear in training dialogues."""
     return [qa for qas in _pool(False).values() for qa in qas]
+
+
+def question_stream(seed: int, heldout: bool = False) -> Iterator[QA]:
+    """Endless questions drawn with the category mix of training dialogues and held-out
+    questions (CATEGORY_WEIGHTS), not the raw pool's (90% arithmetic and units); deterministic."""
+    rng = random.Random(seed)
+    pools = _pool(heldout)
+    while True:
+        yield _sample_qa(pools, rng)
 
 
 def heldout_questions(n: int = 100, seed: int = 1234) -> list[QA]:

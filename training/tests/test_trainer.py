@@ -48,7 +48,7 @@ def test_combined_job_raises_log_p_of_target_and_saves_vllm_safe_adapter(tiny_mo
     assert all(math.isfinite(metrics[k]) for k in ("loss", "loss_ppo", "loss_opd", "probe_kl"))
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "base"
-    assert config["r"] == 16 and config["bias"] == "none" and not config.get("use_dora")
+    assert config["r"] == 8 and config["bias"] == "none" and not config.get("use_dora")
     assert not config.get("modules_to_save")
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
     assert not (tmp_path / "out" / "adapter_model.bin").exists()
