@@ -6,7 +6,7 @@
 
 Real processes throughout: a private test database on the machine's Postgres, Redis, the built-in
 engine (`serve_model`) and one Celery worker (`-Q default,training -c 1 --pool=solo`). Each round a
-user asks, gives a thumb down and then a correction (the correction fills the batch of 3 samples),
+user asks and corrects the reply (the agent's batch is one reply, so the correction queues a job),
 and the clock runs until a reply is served by the version that job published.
 
 Prints P4_feedback_to_live_p50_s=…, job_time_p50_s=…, worker_peak_rss_mb=… (VmHWM of the worker).
@@ -76,7 +76,7 @@ def main():
             settings.INFERENCE_URLS = [engine.url]
             env = worker_env(model_dir=model_dir, inference_url=engine.url, extra={"ADAPTER_ROOT": str(adapter_root)})
             user = get_user_model().objects.create_user(username="bench-p4", password="pw-bench-123!")
-            agent = Agent.objects.create(name="Bench", slug="bench", review_policy="auto_all", batch_size=3,
+            agent = Agent.objects.create(name="Bench", slug="bench", review_policy="auto_all", batch_size=1,
                                          steps_per_job=args.steps, temperature=1.0, max_tokens=16)
             p4, job_times = [], []
             with run_worker(env, name="bench") as worker:
@@ -87,9 +87,7 @@ def main():
                     conversation = chat_services.create_conversation(user, agent)
                     turn = chat_services.post_user_message(conversation, "What is the capital of France?", user=user)
                     reply = async_to_sync(chat_services.acollect_reply)(turn)
-                    chat_services.record_feedback(reply, user=user, kind="thumb_down")
-                    wait_for(lambda: reply.feedback.filter(status="approved").exists(), timeout=120,
-                             what="thumb processed", process=worker)
+                    # A batch of one reply: its correction alone queues the job.
                     started = time.monotonic()
                     chat_services.record_feedback(reply, user=user, kind="correction", corrected_text="Paris.",
                                                   comment="answer in one word")

@@ -287,8 +287,10 @@ def request_training(user, agent, *, trigger, actor=None):
 
 
 def maybe_request_training(user, agent):
-    """Queue a job when (user, agent) has a full batch of samples its method can learn from."""
-    if usable_samples(user, agent).count() >= batch_size_for(agent):
+    """Queue a job when samples its method can learn from cover a full batch of (user, agent)'s replies."""
+    # A batch is replies, not samples: one corrected reply alone yields up to four (the thumb, the
+    # correction's a* and its -1, the next message's -1), and a job on it would learn one example.
+    if usable_samples(user, agent).values("turn").distinct().count() >= batch_size_for(agent):
         return request_training(user, agent, trigger="auto")
     return None
 

@@ -41,7 +41,7 @@ def ask(user, agent, text, conversation=None):
 
 def test_full_loop_feedback_to_live_version(live_engine, shared_adapter_root):
     alice, bob = UserFactory(), UserFactory()
-    agent = AgentFactory(review_policy="auto_all", batch_size=3, steps_per_job=4, learning_rate=1e-3,
+    agent = AgentFactory(review_policy="auto_all", batch_size=1, steps_per_job=4, learning_rate=1e-3,
                          temperature=1.0, max_tokens=8)
     greedy = {"temperature": 0.0, "seed": 0}
     bob_conv = chat_services.create_conversation(bob, agent)
@@ -51,7 +51,7 @@ def test_full_loop_feedback_to_live_version(live_engine, shared_adapter_root):
     reply = ask(alice, agent, "What is the capital of France?")
     assert reply.token_ids and reply.logprobs and reply.prompt_token_ids  # real engine data, stored
     with run_worker(env_for(live_engine, shared_adapter_root)) as worker:
-        chat_services.record_feedback(reply, user=alice, kind="thumb_down")
+        # A batch of one reply: the correction alone queues the job.
         chat_services.record_feedback(reply, user=alice, kind="correction", corrected_text="Paris.",
                                       comment="answer in one word")
         job = wait_for(lambda: TrainingJob.objects.filter(user=alice, state__in=["succeeded", "failed"]).first(),

@@ -128,6 +128,19 @@ def test_batch_size_triggers_a_job(db):
     assert services.maybe_request_training(user, agent).trigger == "auto"
 
 
+def test_a_batch_counts_replies_not_the_samples_of_one_reply(db):
+    from training.signals import build_samples
+
+    user, agent = UserFactory(), AgentFactory(batch_size=2)
+    reply = reply_with_context(ConversationFactory(user=user, agent=agent))
+    for kind, fields in (("thumb_down", {}), ("correction", {"corrected_text": "Paris. Cheers!"})):
+        build_samples(FeedbackFactory(turn=reply, author=user, kind=kind, status="approved", **fields))
+    assert services.usable_samples(user, agent).count() == 3  # one reply, three samples
+    assert services.maybe_request_training(user, agent) is None
+    make_ready_samples(user, agent, 1)
+    assert services.maybe_request_training(user, agent).trigger == "auto"
+
+
 def test_paused_training_queues_nothing(db, staff_user):
     user, agent = UserFactory(), AgentFactory()
     make_ready_samples(user, agent, 1)
