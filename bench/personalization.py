@@ -187,9 +187,11 @@ def react(user, reply, turn_id, *, method):
         user.feedback(turn_id, kind="thumb_up")
         return "Thanks! "
     user.feedback(turn_id, kind="thumb_down", reason="Wrong style")
-    if method != "binary":
-        # The user just fixes the reply, with no note: c' is c, and OPD learns a* where it is asked.
-        user.feedback(turn_id, kind="correction", corrected_text=user.preference.transform(reply))
+    fixed = user.preference.transform(reply)
+    # The user just fixes the reply, with no note: c' is c, and OPD learns a* where it is asked.
+    # An empty reply leaves nothing to fix (the API refuses an empty correction): the thumb only.
+    if method != "binary" and fixed.strip():
+        user.feedback(turn_id, kind="correction", corrected_text=fixed)
     return "No, that's not how I like it. "
 
 
