@@ -169,7 +169,9 @@ def main() -> None:
     print(f"demo_style_following_new_text={follow:.2f}")
 
     # The personalization benchmark's retention questions; accuracy when told each style.
-    retention_qas = heldout_questions(24 + 40 + 8, seed=1234)[24:64]
+    from bench.personalization import BenchConfig, heldout_prompts
+
+    retention_qas = heldout_prompts(BenchConfig())["retention"]
     for name, param in (("uppercase", ""), ("lowercase", ""), ("terse", ""), ("prefix", "Answer:"),
                         ("signoff", NEW_SIGNOFF)):
         print(f"demo_accuracy_told_{name}={accuracy_when_told(model, tok, retention_qas, name, param):.3f}")

@@ -427,6 +427,17 @@ def plot(results, config, path):
 # ------------------------------------------------------------------------------
 
 
+def heldout_prompts(config):
+    """The held-out prompts for adherence, the questions for retention, the bystander's prompts."""
+    from serving.demo_model.corpus import heldout_questions
+
+    heldout = heldout_questions(n=config.eval_prompts + config.retention_questions + config.leakage_prompts,
+                                seed=1234 + config.seed)
+    return {"adherence": [qa.question for qa in heldout[: config.eval_prompts]],
+            "retention": heldout[config.eval_prompts: config.eval_prompts + config.retention_questions],
+            "leakage": [qa.question for qa in heldout[-config.leakage_prompts:]]}
+
+
 def run(config, *, log=print):
     """Run the benchmark in the current database. Returns (figures, results)."""
     import tempfile
@@ -434,15 +445,10 @@ def run(config, *, log=print):
     from django.conf import settings
 
     from bench.preferences import load_preferences
-    from serving.demo_model.corpus import heldout_questions
 
     preferences = [p for p in load_preferences(config.preferences) if not config.only or p.name in config.only]
     model_dir = Path(config.model or settings.MODEL)
-    heldout = heldout_questions(n=config.eval_prompts + config.retention_questions + config.leakage_prompts,
-                                seed=1234 + config.seed)
-    prompts = {"adherence": [qa.question for qa in heldout[: config.eval_prompts]],
-               "retention": heldout[config.eval_prompts: config.eval_prompts + config.retention_questions],
-               "leakage": [qa.question for qa in heldout[-config.leakage_prompts:]]}
+    prompts = heldout_prompts(config)
     with tempfile.TemporaryDirectory(prefix="claw-bench-") as tmp, \
             platform_processes(config, model_dir, Path(tmp) / "adapters") as (_, worker):
         bystander = SimulatedUser("bystander", {"training_enabled": False})

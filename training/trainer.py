@@ -178,6 +178,14 @@ def response_logprobs(model, pairs, device, pad_id, distributions=False):
     return losses.gather_logprobs(picked, targets), mask
 
 
+def common_prefix(a, b):
+    """How many leading items two sequences share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def kept_prefix(response_ids, corrected_ids):
     """How many leading tokens of a reply its correction kept unchanged.
 
@@ -185,30 +193,22 @@ def kept_prefix(response_ids, corrected_ids):
     from the first change on, not on the opening the user kept (a sign-off appended to a good
     answer blames only the reply's premature end). An empty or total rewrite blames everything.
     """
-    kept = 0
-    for a, b in zip(response_ids, corrected_ids):
-        if a != b:
-            break
-        kept += 1
-    return min(kept, max(0, len(response_ids) - 1))
+    return min(common_prefix(response_ids, corrected_ids), max(0, len(response_ids) - 1))
 
 
 def edited_tokens(original_ids, target_ids, eos):
     """1 for each token of a* (target_ids, ending in eos) that the user's correction changed, 0 for
     the opening and the ending they kept from the reply (original_ids) as it was sampled.
 
-    The kept tokens are the model's own sample: OPD holds them to the base model's distribution
-    instead of teaching the sampled tokens again, slips included (see losses.opd_loss). The eos
-    always counts as changed: where the reply stops is part of what the user said.
+    The kept tokens are the model's own sample: with distill_kept_tokens, OPD holds them to the
+    base model's distribution instead of teaching the sampled tokens again, slips included (see
+    losses.opd_loss). The eos always counts as changed: where the reply stops is part of what
+    the user said.
     """
     body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
     original = [t for t in original_ids if t != eos]
-    start = 0
-    while start < min(len(body), len(original)) and body[start] == original[start]:
-        start += 1
-    end = len(body)
-    while end > start and len(body) - end < len(original) - start and body[end - 1] == original[len(original) - len(body) + end - 1]:
-        end -= 1
+    start = common_prefix(body, original)
+    end = len(body) - common_prefix(body[start:][::-1], original[start:][::-1])
     return [int(start <= i < end) for i in range(len(body))] + [1] * (len(target_ids) - len(body))
 
 
@@ -408,20 +408,20 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             parts["kl"] += kl.item()
             parts["clip_frac"] += (losses.ppo_clip_fraction(lp, old, mask, clip_eps=config.clip_eps) * weight).item()
 
-        # forward/backward, OPD part: -log p(a* | c') on the tokens the user changed, KL to the base
-        # model on those they kept
+        # forward/backward, OPD part: -log p(a* | c') on target tokens (distill_kept_tokens: on the
+        # tokens the user changed, and KL to the base model on those they kept)
         for group in chunks(directive, micro):
             pairs = [(e.prompt_ids, e.response_ids) for e in group]
-            lp, mask, dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
-            kept = mask * (1 - padded([e.edited for e in group], mask.size(1), device))
-            kept_kl = None
-            if config.distill_kept_tokens and kept.any():
+            if config.distill_kept_tokens:
+                lp, mask, dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
+                kept = mask * (1 - padded([e.edited for e in group], mask.size(1), device))
                 with torch.no_grad(), model.disable_adapter():
                     _, _, base_dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
-                kept_kl = losses.position_kl(base_dist, dist)
+                opd = losses.opd_loss(lp, mask, kept_mask=kept, kept_kl=losses.position_kl(base_dist, dist))
             else:
-                kept = None
-            opd = losses.opd_loss(lp, mask, kept_mask=kept, kept_kl=kept_kl) * (mask.sum() / opd_tokens)
+                lp, mask = response_logprobs(model, pairs, device, pad_id)
+                opd = losses.opd_loss(lp, mask)
+            opd = opd * (mask.sum() / opd_tokens)
             (alpha * opd).backward()
             parts["opd"] += opd.item()
 

@@ -128,13 +128,19 @@ def test_batch_size_triggers_a_job(db):
     assert services.maybe_request_training(user, agent).trigger == "auto"
 
 
-def test_a_batch_counts_replies_not_the_samples_of_one_reply(db):
+def thumb_down_and_correct(user, reply, text="Paris. Cheers!"):
+    """The samples of a thumb down and a correction on one reply."""
     from training.signals import build_samples
 
+    samples = []
+    for kind, fields in (("thumb_down", {}), ("correction", {"corrected_text": text})):
+        samples += build_samples(FeedbackFactory(turn=reply, author=user, kind=kind, status="approved", **fields))
+    return samples
+
+
+def test_a_batch_counts_replies_not_the_samples_of_one_reply(db):
     user, agent = UserFactory(), AgentFactory(batch_size=2)
-    reply = reply_with_context(ConversationFactory(user=user, agent=agent))
-    for kind, fields in (("thumb_down", {}), ("correction", {"corrected_text": "Paris. Cheers!"})):
-        build_samples(FeedbackFactory(turn=reply, author=user, kind=kind, status="approved", **fields))
+    thumb_down_and_correct(user, reply_with_context(ConversationFactory(user=user, agent=agent)))
     assert services.usable_samples(user, agent).count() == 3  # one reply, three samples
     assert services.maybe_request_training(user, agent) is None
     make_ready_samples(user, agent, 1)
@@ -273,9 +279,7 @@ def test_every_minus_one_on_a_corrected_reply_knows_the_correction(db):
     user, agent = UserFactory(), AgentFactory()
     reply = reply_with_context(ConversationFactory(user=user, agent=agent), prompt_token_ids=[1, 2, 3],
                                token_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3])
-    samples = []
-    for kind, fields in (("thumb_down", {}), ("correction", {"corrected_text": "Paris. Cheers!"})):
-        samples += build_samples(FeedbackFactory(turn=reply, author=user, kind=kind, status="approved", **fields))
+    samples = thumb_down_and_correct(user, reply)
     other = reply_with_context(ConversationFactory(user=user, agent=agent), prompt_token_ids=[1, 2],
                                token_ids=[5, 6], logprobs=[-0.1, -0.2])
     samples += build_samples(FeedbackFactory(turn=other, author=user, kind="thumb_down", status="approved"))
