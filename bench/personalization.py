@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO))
 from training.testing import run_worker, wait_for  # noqa: E402  (no Django needed)
 
 METHODS = ("none", "binary", "opd", "combined", "offline")
+AGENT_SETTINGS = ("learning_rate", "steps_per_job", "batch_size", "lora_rank", "alpha", "kl_coef",
+                  "distill_kept_tokens")
 TRAINED_ONLINE = ("binary", "opd", "combined")
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -43,11 +45,9 @@ class BenchConfig:
     eval_prompts: int = 24  # held-out prompts for adherence, per checkpoint
     retention_questions: int = 40  # held-out questions for skill retention
     leakage_prompts: int = 8  # bystander prompts that must stay bit-identical
-    batch_size: int = 4  # samples that trigger a job (the agent's batch size)
-    steps_per_job: int = 16
-    learning_rate: float = 2e-3
-    lora_rank: int = 8
-    alpha: float = 0.5
+    # Agent settings that differ from the Agent model's defaults (learning_rate, steps_per_job,
+    # batch_size, lora_rank, alpha, kl_coef, distill_kept_tokens): empty measures the defaults.
+    agent: dict = field(default_factory=dict)
     temperature: float = 0.7  # sampling temperature of interaction replies
     max_tokens: int = 48
     seed: int = 0
@@ -302,10 +302,8 @@ def run_arm(method, preference, config, *, prompts, worker, log):
     from serving.demo_model.corpus import question_stream
 
     name = f"{method}-{preference.name}".replace("_", "-")[:60]
-    settings = dict(training_method="combined" if method in ("none", "offline") else method,
-                    training_enabled=method in TRAINED_ONLINE, batch_size=config.batch_size,
-                    steps_per_job=config.steps_per_job, learning_rate=config.learning_rate,
-                    lora_rank=config.lora_rank, alpha=config.alpha, temperature=config.temperature,
+    settings = dict(config.agent, training_method="combined" if method in ("none", "offline") else method,
+                    training_enabled=method in TRAINED_ONLINE, temperature=config.temperature,
                     max_tokens=config.max_tokens)
     user = SimulatedUser(name, settings, preference)
     # The user asks about everything the model knows, in the mix the held-out prompts have.
@@ -343,7 +341,14 @@ def run_arm(method, preference, config, *, prompts, worker, log):
 
 def result_interactions_hint(config, step):
     # Offline logs about as many interactions as an online arm spends per step (2-3 per job).
-    return step * max(2, config.batch_size // 2)
+    return step * max(2, agent_setting(config, "batch_size") // 2)
+
+
+def agent_setting(config, name):
+    """The value of an agent setting the arms train with: the override, else the model's default."""
+    from chat.models import Agent
+
+    return config.agent.get(name, Agent._meta.get_field(name).default)
 
 
 def bystander_replies(bystander, prompts):
@@ -377,8 +382,9 @@ def summarize(results, base_retention, leakage, config):
 
 def write_report(results, figures, config, out):
     out.mkdir(parents=True, exist_ok=True)
-    raw = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-           "figures": figures, "arms": [asdict(r) for r in results]}
+    config_data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+    config_data["agent"] = {name: agent_setting(config, name) for name in AGENT_SETTINGS}
+    raw = {"config": config_data, "figures": figures, "arms": [asdict(r) for r in results]}
     (out / "results.json").write_text(json.dumps(raw, indent=2, default=str))
     steps = config.checkpoints
     lines = ["| method | " + " | ".join(f"adherence @{s}" for s in steps) + " | retention | leakage |",
@@ -487,7 +493,8 @@ def add_arguments(parser):
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "personalization")
     parser.add_argument("--keep-db", action="store_true", help="Keep the benchmark's database afterwards.")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="Override a BenchConfig field, e.g. --set learning_rate=5e-3 --set steps_per_job=16.")
+                        help="Override a BenchConfig field or an agent setting (JSON value), e.g. "
+                             "--set learning_rate=5e-3 --set distill_kept_tokens=true.")
 
 
 def use_private_queues():
@@ -514,8 +521,10 @@ def execute(options):
         overrides["checkpoints"] = tuple(int(s) for s in options["checkpoints"].split(","))
     for item in options["set"]:
         name, _, value = item.partition("=")
-        kind = type(BenchConfig.__dataclass_fields__[name].default)
-        overrides[name] = kind(value)
+        if name in AGENT_SETTINGS:
+            overrides.setdefault("agent", {})[name] = json.loads(value)
+        else:
+            overrides[name] = type(BenchConfig.__dataclass_fields__[name].default)(value)
     config = BenchConfig.quick(**overrides) if options["quick"] else BenchConfig(**overrides)
     use_private_queues()
     original_name = connection.settings_dict["NAME"]

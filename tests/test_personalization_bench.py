@@ -22,7 +22,7 @@ def bench_run(tiny_model_dir, tmp_path, settings):
     path = tmp_path / "prefs.json"
     path.write_text(json.dumps(PREFERENCES))
     config = BenchConfig(preferences=path, methods=("none", "combined"), checkpoints=(0, 2), eval_prompts=8,
-                         retention_questions=4, leakage_prompts=3, learning_rate=5e-3, steps_per_job=16,
+                         retention_questions=4, leakage_prompts=3, agent={"learning_rate": 5e-3},
                          max_tokens=24, model=str(tiny_model_dir), out=tmp_path / "out")
     figures, results = run(config, log=lambda *a: None)
     return config, figures, results

@@ -13,6 +13,7 @@ missing, teacher logprobs, log p(a*), probe distributions), the optimizer loop, 
 import math
 import time
 from dataclasses import dataclass, field
+from difflib import SequenceMatcher
 
 import torch
 
@@ -50,7 +51,7 @@ class Example:
     messages: list = field(default_factory=list)
     target_text: str = ""
     corrected_text: str = ""  # eval only: the user's correction of this reply, if they wrote one
-    blamed_from: int = 0  # eval only: a -1 falls on response tokens from here on (see kept_prefix)
+    blamed: list | None = None  # eval only: 1 per response token a -1 falls on (see blamed_tokens); None: all
     original_ids: list = field(default_factory=list)  # directive only: the reply a* corrects, if stored
     edited: list | None = None  # directive only: 1 per target token the correction changed (see edited_tokens)
 
@@ -178,27 +179,37 @@ def response_logprobs(model, pairs, device, pad_id, distributions=False):
     return losses.gather_logprobs(picked, targets), mask
 
 
-def common_prefix(a, b):
-    """How many leading items two sequences share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+def token_diff(before, after):
+    """difflib's opcodes turning one token sequence into the other (no junk heuristic)."""
+    return SequenceMatcher(None, before, after, autojunk=False).get_opcodes()
 
 
-def kept_prefix(response_ids, corrected_ids):
-    """How many leading tokens of a reply its correction kept unchanged.
+def blamed_tokens(response_ids, corrected_ids, eos):
+    """1 for each token of a reply that its correction replaced or deleted, and for each token
+    before which it inserted words; 0 for the tokens it kept.
 
-    A correction says where the reply went wrong: the -1 of a corrected reply falls on the tokens
-    from the first change on, not on the opening the user kept (a sign-off appended to a good
-    answer blames only the reply's premature end). An empty or total rewrite blames everything.
+    A correction says where the reply went wrong: the -1 of a corrected reply falls there, not on
+    the answer the user kept (a sign-off appended blames the reply's premature end, a prefix
+    added blames the reply's first token, lowercasing blames the capitalized words). An empty
+    correction blames everything.
     """
-    return min(common_prefix(response_ids, corrected_ids), max(0, len(response_ids) - 1))
+    n = len(response_ids)
+    if not corrected_ids:
+        return [1] * n
+    if response_ids and response_ids[-1] == eos:
+        corrected_ids = list(corrected_ids) + [eos]
+    blamed = [0] * n
+    for tag, i1, i2, _, _ in token_diff(response_ids, corrected_ids):
+        if tag in ("replace", "delete"):
+            blamed[i1:i2] = [1] * (i2 - i1)
+        elif tag == "insert" and n:
+            blamed[min(i1, n - 1)] = 1
+    return blamed
 
 
 def edited_tokens(original_ids, target_ids, eos):
-    """1 for each token of a* (target_ids, ending in eos) that the user's correction changed, 0 for
-    the opening and the ending they kept from the reply (original_ids) as it was sampled.
+    """1 for each token of a* (target_ids, ending in eos) that the user's correction changed or
+    added, 0 for those they kept from the reply (original_ids) as it was sampled.
 
     The kept tokens are the model's own sample: with distill_kept_tokens, OPD holds them to the
     base model's distribution instead of teaching the sampled tokens again, slips included (see
@@ -207,9 +218,11 @@ def edited_tokens(original_ids, target_ids, eos):
     """
     body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
     original = [t for t in original_ids if t != eos]
-    start = common_prefix(body, original)
-    end = len(body) - common_prefix(body[start:][::-1], original[start:][::-1])
-    return [int(start <= i < end) for i in range(len(body))] + [1] * (len(target_ids) - len(body))
+    edited = [1] * len(body)
+    for tag, i1, i2, j1, j2 in token_diff(original, body):
+        if tag == "equal":
+            edited[j1:j2] = [0] * (j2 - j1)
+    return edited + [1] * (len(target_ids) - len(body))
 
 
 def padded(rows, width, device):
@@ -261,6 +274,26 @@ def probe_distributions(model, probes, device):
         logits = model(input_ids=torch.tensor([ids], device=device)).logits[:, len(prompt) - 1 : len(ids) - 1]
         out.append(torch.log_softmax(logits.float(), dim=-1))
     return out
+
+
+@torch.no_grad()
+def probe_kl(model, probes, probes_before, device):
+    """Mean per-token KL(now || before) along the probe replies: how far behaviour moved."""
+    probes_now = probe_distributions(model, probes, device)
+    return sum(
+        losses.distribution_kl(now, before, torch.ones(now.shape[:2], device=device)).item()
+        for now, before in zip(probes_now, probes_before)
+    ) / max(1, len(probes))
+
+
+def lora_state(params):
+    return [p.detach().clone() for p in params]
+
+
+@torch.no_grad()
+def restore_lora_state(params, state):
+    for p, saved in zip(params, state):
+        p.copy_(saved)
 
 
 @torch.no_grad()
@@ -336,7 +369,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 e.old_logprobs = e.old_logprobs[: len(e.response_ids)]
     for e in used:
         if e.kind == "eval" and e.corrected_text and e.reward < 0:
-            e.blamed_from = kept_prefix(e.response_ids, tokenizer(e.corrected_text, add_special_tokens=False)["input_ids"])
+            corrected = tokenizer(e.corrected_text, add_special_tokens=False)["input_ids"]
+            e.blamed = blamed_tokens(e.response_ids, corrected, eos)
     evals = [e for e in used if e.kind == "eval"]
     hints = [e for e in used if e.kind == "hint"]
     directive = [e for e in used if e.kind == "directive"]
@@ -373,6 +407,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
     # L = L_PPO + α L_OPD only when both signals train; a lone OPD objective keeps weight 1.
     alpha = config.alpha if config.method == "combined" else 1.0
     history = []
+    accepted, accepted_kl, stopped_early = lora_state(params), 0.0, False
     model.train()
     for step in range(config.steps_per_job):
         if should_stop():
@@ -387,7 +422,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             for i, (e, source) in enumerate(group):
                 n = len(e.response_ids)
                 if source == "reward":
-                    adv[i, e.blamed_from:n] = e.reward
+                    adv[i, :n] = e.reward if e.blamed is None else e.reward * torch.tensor(e.blamed, device=device)
                 else:
                     t = torch.tensor(teacher[id(e)], device=device)
                     adv[i, :n] = losses.teacher_advantages(t, old[i, :n], mask[i, :n], clip=config.teacher_adv_clip)
@@ -434,23 +469,31 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             raise GuardFailed(f"non-finite gradient norm at step {step + 1}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+        # trust region: a step that takes the probes' behaviour past kl_guard is undone and ends
+        # the job (the early stop on a KL target of PPO implementations); none accepted: failed
+        model.eval()
+        kl_now = probe_kl(model, probes, probes_before, device)
+        model.train()
+        if not math.isfinite(kl_now) or kl_now > config.kl_guard:
+            if not history:
+                raise GuardFailed(f"KL to the previous version on the probe prompts is {kl_now:.4f} > "
+                                  f"{config.kl_guard} after the first step")
+            restore_lora_state(params, accepted)
+            stopped_early = True
+            break
+        accepted, accepted_kl = lora_state(params), kl_now
         parts["total"] = parts["ppo"] + alpha * (parts["opd"] + parts["teacher"]) + config.kl_coef * parts["kl"]
         parts["grad_norm"] = grad_norm
+        parts["probe_kl"] = kl_now
         history.append(parts)
         progress(int(100 * (step + 1) / config.steps_per_job), parts)
 
-    # 5. guards: log p(a*) didn't fall, behaviour on the probes stayed near the previous version
+    # 5. guard: log p(a*) didn't fall (the probes' KL is within kl_guard by construction)
     model.eval()
     logp_after = mean_target_logprob(model, directive, device, pad_id, micro)
     if logp_before is not None and logp_after < logp_before - config.logp_guard_tolerance:
         raise GuardFailed(f"mean log p(a*) fell from {logp_before:.4f} to {logp_after:.4f}")
-    probes_after = probe_distributions(model, probes, device)
-    probe_kl = sum(
-        losses.distribution_kl(after, before, torch.ones(after.shape[:2], device=device)).item()
-        for after, before in zip(probes_after, probes_before)
-    ) / max(1, len(probes))
-    if not math.isfinite(probe_kl) or probe_kl > config.kl_guard:
-        raise GuardFailed(f"KL to the previous version on the probe prompts is {probe_kl:.4f} > {config.kl_guard}")
 
     # 6. save: the served model's name as the base, safetensors only
     for peft_config in model.peft_config.values():
@@ -474,7 +517,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         "directive_samples": len(directive),
         "hint_samples": len(hints),
         "steps": len(history),
-        "probe_kl": probe_kl,
+        "stopped_early": stopped_early,
+        "probe_kl": accepted_kl,
         "logp_target_before": logp_before,
         "logp_target_after": logp_after,
         "duration_s": round(time.monotonic() - started, 3),

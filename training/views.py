@@ -91,7 +91,8 @@ def _active_version(user_id, agent_id):
 SUMMARY_METRICS = (
     ("samples_used", "samples used"), ("loss", "loss"), ("loss_ppo", "PPO loss"), ("loss_opd", "OPD loss"),
     ("loss_teacher", "teacher loss"), ("loss_kl", "KL loss"), ("reward_mean", "reward mean"),
-    ("probe_kl", "KL to parent (probes)"), ("kl_to_parent", "KL to parent"), ("duration_s", "train time (s)"),
+    ("probe_kl", "KL to parent (probes)"), ("kl_to_parent", "KL to parent"), ("steps", "optimizer steps"),
+    ("stopped_early", "stopped at the KL guard"), ("duration_s", "train time (s)"),
 )
 
 

@@ -72,6 +72,19 @@ def test_kl_guard_stops_a_runaway_update(tiny_model_dir, tmp_path, turn_data):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_step_past_the_kl_guard_is_undone_and_ends_the_job(tiny_model_dir, tmp_path, turn_data):
+    """The guard is a trust region: the job publishes the last step whose probe KL was within it."""
+    free = run(tiny_model_dir, tmp_path / "free", examples(turn_data)[:2], method="combined", lr=0.02,
+               steps_per_job=8, kl_guard=100.0)
+    assert free["steps"] == 8 and not free["stopped_early"]
+    guard = free["probe_kl"] / 3  # reached within the 8 steps, the KL grows step by step
+    bounded = run(tiny_model_dir, tmp_path / "bounded", examples(turn_data)[:2], method="combined", lr=0.02,
+                  steps_per_job=8, kl_guard=guard)
+    assert bounded["stopped_early"] and 1 <= bounded["steps"] < 8
+    assert 0 < bounded["probe_kl"] <= guard
+    assert (tmp_path / "bounded" / "out" / "adapter_model.safetensors").exists()
+
+
 def test_cancel_stops_before_the_next_step(tiny_model_dir, tmp_path, turn_data):
     config = TrainingConfig(steps_per_job=5)
     calls = []
@@ -99,19 +112,21 @@ def test_config_rejects_ranks_vllm_cannot_serve():
         TrainingConfig(replay_corrections=-1)
 
 
-@pytest.mark.parametrize("response, corrected, kept", [
-    ([5, 6, 7, 2], [5, 6, 7, 9, 9], 3),  # a sign-off appended: only the premature end is blamed
-    ([5, 6, 7], [5, 6, 7, 9], 2),  # the whole reply kept: its last token still takes the blame
-    ([5, 6, 7], [8, 6, 7], 0),  # changed from the first token: all blamed
-    ([5, 6, 7], [], 0),
-])
-def test_kept_prefix_is_where_a_correction_starts_to_differ(response, corrected, kept):
-    from training.trainer import kept_prefix
-
-    assert kept_prefix(response, corrected) == kept
-
-
 EOS = 2
+
+
+@pytest.mark.parametrize("response, corrected, blamed", [
+    ([5, 6, 7, EOS], [5, 6, 7, 9, 9], [0, 0, 0, 1]),  # a sign-off appended: only the premature end
+    ([5, 6, 7], [5, 6, 7, 9], [0, 0, 1]),  # cut off by max_tokens: its last token takes the blame
+    ([5, 6, 7, EOS], [4, 5, 6, 7], [1, 0, 0, 0]),  # a prefix added: the first token, not the answer
+    ([5, 6, 7, 8, EOS], [9, 6, 3, 8], [1, 0, 1, 0, 0]),  # words recased here and there: those words
+    ([5, 6, 7, 8, EOS], [5, 6], [0, 0, 1, 1, 0]),  # cut short: the words it should not have said
+    ([5, 6, 7], [], [1, 1, 1]),
+])
+def test_a_corrections_minus_one_falls_on_the_tokens_it_changed(response, corrected, blamed):
+    from training.trainer import blamed_tokens
+
+    assert blamed_tokens(response, corrected, EOS) == blamed
 
 
 @pytest.mark.parametrize("original, target, weights", [
