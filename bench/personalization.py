@@ -295,6 +295,7 @@ class ArmResult:
     retention: float | None = None
     jobs_failed: int = 0
     stalled_at: int | None = None  # published steps when guards refused every further job
+    misses: dict = field(default_factory=dict)  # step -> a few held-out replies that failed the check
 
 
 def run_arm(method, preference, config, *, prompts, worker, log):
@@ -328,7 +329,8 @@ def run_arm(method, preference, config, *, prompts, worker, log):
             if step == config.max_steps:
                 train_offline(user, worker, config)
         if method in TRAINED_ONLINE or step in (0, config.max_steps) or method == "none":
-            result.adherence[step], _ = adherence(user, prompts["adherence"])
+            result.adherence[step], replies = adherence(user, prompts["adherence"])
+            result.misses[step] = [r for r in replies if not preference.check(r)][:3]
         result.interactions[step] = interactions
         result.wall_s[step] = round(time.monotonic() - start, 1)
         log(f"  {method:9s} {preference.name:18s} step {step:2d}: adherence {result.adherence.get(step)} "

@@ -51,7 +51,9 @@ class Agent(models.Model):
     lora_rank = models.PositiveSmallIntegerField(default=8)
     batch_size = models.PositiveSmallIntegerField(default=4, help_text="Replies with approved feedback that trigger a job.")
     steps_per_job = models.PositiveSmallIntegerField(default=16)
-    kl_coef = models.FloatField(default=0.0)
+    kl_coef = models.FloatField(
+        default=0.1, help_text="Weight of the KL-to-base penalty on the replies PPO trains on: it keeps the content "
+        "of thumbed replies near the base model. 0 turns it off.")
     distill_kept_tokens = models.BooleanField(
         default=False, help_text="OPD holds the tokens a correction kept to the base model instead of learning "
         "them again: better retention of other skills, slower learning of the preference.")
