@@ -225,6 +225,12 @@ def edited_tokens(original_ids, target_ids, eos):
     return edited + [1] * (len(target_ids) - len(body))
 
 
+def unblamed_mask(examples, mask):
+    """mask without the tokens a correction changed: the KL to the base model holds what the user
+    kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
+    return mask * (1 - padded([e.blamed or [] for e in examples], mask.size(1), mask.device))
+
+
 def padded(rows, width, device):
     out = torch.zeros((len(rows), width), device=device)
     for i, row in enumerate(rows):
@@ -434,7 +440,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             kl = torch.zeros((), device=device)
             if config.kl_coef:
                 ref = padded([reference[id(e)] for e, _ in group], lp.size(1), device)
-                kl = losses.kl_penalty(lp, ref, mask) * weight
+                held = unblamed_mask([e for e, _ in group], mask)
+                kl = losses.kl_penalty(lp, ref, held) * (held.sum() / ppo_tokens)
             # Teacher-mode OPD rides on the PPO loss but belongs to the OPD term (Eq.: L_PPO + α L_OPD).
             loss = losses.combined_loss(ppo, teach, alpha=alpha, kl=kl, kl_coef=config.kl_coef)
             loss.backward()

@@ -129,6 +129,15 @@ def test_a_corrections_minus_one_falls_on_the_tokens_it_changed(response, correc
     assert blamed_tokens(response, corrected, EOS) == blamed
 
 
+def test_the_kl_to_base_leaves_the_tokens_a_correction_changed_free():
+    from training.trainer import unblamed_mask
+
+    corrected = Example(kind="eval", reward=-1.0, blamed=[1, 0, 0])
+    thumbed = Example(kind="eval", reward=1.0)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert unblamed_mask([corrected, thumbed], mask).tolist() == [[0, 1, 1, 0], [1, 1, 1, 1]]
+
+
 @pytest.mark.parametrize("original, target, weights", [
     # a sign-off appended: the kept reply weighs nothing, the sign-off and the end count
     ([5, 6, 7, EOS], [5, 6, 7, 8, 9, EOS], [0, 0, 0, 1, 1, 1]),
