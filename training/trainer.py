@@ -413,7 +413,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
     # L = L_PPO + α L_OPD only when both signals train; a lone OPD objective keeps weight 1.
     alpha = config.alpha if config.method == "combined" else 1.0
     history = []
-    accepted, accepted_kl, stopped_early = lora_state(params), 0.0, False
+    accepted = lora_state(params)
     model.train()
     for step in range(config.steps_per_job):
         if should_stop():
@@ -487,9 +487,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 raise GuardFailed(f"KL to the previous version on the probe prompts is {kl_now:.4f} > "
                                   f"{config.kl_guard} after the first step")
             restore_lora_state(params, accepted)
-            stopped_early = True
             break
-        accepted, accepted_kl = lora_state(params), kl_now
+        accepted = lora_state(params)
         parts["total"] = parts["ppo"] + alpha * (parts["opd"] + parts["teacher"]) + config.kl_coef * parts["kl"]
         parts["grad_norm"] = grad_norm
         parts["probe_kl"] = kl_now
@@ -524,8 +523,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         "directive_samples": len(directive),
         "hint_samples": len(hints),
         "steps": len(history),
-        "stopped_early": stopped_early,
-        "probe_kl": accepted_kl,
+        "stopped_early": len(history) < config.steps_per_job,
+        "probe_kl": last["probe_kl"],
         "logp_target_before": logp_before,
         "logp_target_after": logp_after,
         "duration_s": round(time.monotonic() - started, 3),
