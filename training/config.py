@@ -21,7 +21,7 @@ class TrainingConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps steps deterministic."})
     target_modules: tuple = field(default=LORA_TARGET_MODULES, metadata={"help": "Modules that get LoRA A/B."})
     steps_per_job: int = field(default=16, metadata={"help": "Optimizer steps per job (each over the whole batch)."})
-    batch_size: int = field(default=4, metadata={"help": "Replies with ready samples that trigger a job."})
+    batch_size: int = field(default=4, metadata={"help": "Corrected replies, or replies with a reward alone, that trigger a job."})
     replay_corrections: int = field(default=8, metadata={"help": "The user's newest corrections (a*) from earlier "
                                     "jobs that OPD trains on again beside the new batch; 0 = only the new batch."})
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})

@@ -286,11 +286,27 @@ def request_training(user, agent, *, trigger, actor=None):
     return job
 
 
+def batch_is_full(user, agent):
+    """True when (user, agent)'s usable samples fill a batch of either signal: `batch_size` replies
+    the user corrected, or as many replies judged by a reward alone.
+
+    A batch is replies, not samples: one corrected reply alone yields up to four (the thumb, the
+    correction's a* and its -1, the next message's -1), and a job on it would learn one example.
+    The two signals fill separate batches so that a combined job carries as many corrections as an
+    OPD job (thumbs up no longer start it with one or two), and a user who only gives thumbs still
+    trains.
+    """
+    size = batch_size_for(agent)
+    samples = usable_samples(user, agent)
+    corrected = samples.exclude(target_text="").values("turn")
+    if corrected.distinct().count() >= size:
+        return True
+    return samples.exclude(turn__in=corrected).values("turn").distinct().count() >= size
+
+
 def maybe_request_training(user, agent):
-    """Queue a job when samples its method can learn from cover a full batch of (user, agent)'s replies."""
-    # A batch is replies, not samples: one corrected reply alone yields up to four (the thumb, the
-    # correction's a* and its -1, the next message's -1), and a job on it would learn one example.
-    if usable_samples(user, agent).values("turn").distinct().count() >= batch_size_for(agent):
+    """Queue a job when (user, agent)'s usable samples fill a batch (`batch_is_full`)."""
+    if batch_is_full(user, agent):
         return request_training(user, agent, trigger="auto")
     return None
 

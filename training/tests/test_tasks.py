@@ -143,8 +143,18 @@ def test_a_batch_counts_replies_not_the_samples_of_one_reply(db):
     thumb_down_and_correct(user, reply_with_context(ConversationFactory(user=user, agent=agent)))
     assert services.usable_samples(user, agent).count() == 3  # one reply, three samples
     assert services.maybe_request_training(user, agent) is None
-    make_ready_samples(user, agent, 1)
+    thumb_down_and_correct(user, reply_with_context(ConversationFactory(user=user, agent=agent)))
     assert services.maybe_request_training(user, agent).trigger == "auto"
+
+
+def test_corrections_and_rewards_fill_separate_batches(db):
+    user, agent = UserFactory(), AgentFactory(batch_size=2)
+    thumb_down_and_correct(user, reply_with_context(ConversationFactory(user=user, agent=agent)))
+    make_ready_samples(user, agent, 1)  # one corrected reply and one thumbed: neither batch is full
+    assert services.maybe_request_training(user, agent) is None
+    make_ready_samples(user, agent, 1)  # a second thumbed reply fills the rewards' batch
+    job = services.maybe_request_training(user, agent)
+    assert job.trigger == "auto"
 
 
 def test_paused_training_queues_nothing(db, staff_user):
