@@ -49,7 +49,7 @@ class Agent(models.Model):
     alpha = models.FloatField(default=0.5, help_text="Weight of the OPD loss in the combined loss.")
     learning_rate = models.FloatField(default=2e-3)
     lora_rank = models.PositiveSmallIntegerField(default=8)
-    batch_size = models.PositiveSmallIntegerField(default=4, help_text="Replies with approved feedback that trigger a job.")
+    batch_size = models.PositiveSmallIntegerField(default=4, help_text="Corrected replies, or replies with a reward alone, that trigger a job.")
     steps_per_job = models.PositiveSmallIntegerField(default=16)
     kl_coef = models.FloatField(
         default=0.1, help_text="Weight of the KL-to-base penalty on the replies PPO trains on: it keeps the content "
