@@ -119,7 +119,7 @@ def kl_penalty(logprobs, ref_logprobs, mask):
 
     Args:
         logprobs: (B, T) log pi_theta of the sampled tokens.
-        ref_logprobs: (B, T) log pi_ref (the base model) of the same tokens.
+        ref_logprobs: (B, T) log pi_ref (the version the job started from) of the same tokens.
         mask: (B, T).
     Returns:
         Scalar penalty (token mean).
@@ -129,7 +129,7 @@ def kl_penalty(logprobs, ref_logprobs, mask):
 
 
 def combined_loss(ppo, opd, *, alpha=0.5, kl=None, kl_coef=0.0):
-    """OpenClaw-RL's combined objective: L = L_PPO + alpha * L_OPD (+ kl_coef * KL to base).
+    """OpenClaw-RL's combined objective: L = L_PPO + alpha * L_OPD (+ kl_coef * KL to a reference).
 
     Args:
         ppo: scalar PPO loss (0 when the batch has no evaluative sample).

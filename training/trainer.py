@@ -226,8 +226,8 @@ def edited_tokens(original_ids, target_ids, eos):
 
 
 def unblamed_mask(examples, mask):
-    """mask without the tokens a correction changed: the KL to the base model holds what the user
-    kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
+    """mask without the tokens a correction changed: the KL to the starting version holds what the
+    user kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
     return mask * (1 - padded([e.blamed or [] for e in examples], mask.size(1), mask.device))
 
 
@@ -394,8 +394,11 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             c_prime = truncate(template_ids(tokenizer, e.messages), e.response_ids, config.max_seq_len)[0]
             lp, mask = response_logprobs(model, [(c_prime, e.response_ids)], device, pad_id)
             teacher[id(e)] = lp[0, : int(mask.sum())].tolist()
-        reference = {}
-        if config.kl_coef:
+    # The KL's reference is the version the job starts from (the base model on a first job): a
+    # penalty held to the base would pull a learned style back on every thumbed-up reply.
+    reference = {}
+    if config.kl_coef:
+        with torch.no_grad():
             for e in evals + hints:
                 lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids)], device, pad_id)
                 reference[id(e)] = lp[0, : int(mask.sum())].tolist()

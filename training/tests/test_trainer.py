@@ -103,6 +103,30 @@ def test_continues_from_an_existing_adapter(tiny_model_dir, tmp_path, turn_data)
     assert metrics["steps"] == 1 and (tmp_path / "out2" / "adapter_model.safetensors").exists()
 
 
+def test_the_kl_penalty_is_held_to_the_version_the_job_starts_from(tiny_model_dir, tmp_path, turn_data):
+    """A thumbed-up style the adapter already learned is not pulled back toward the base model:
+    the first step of a job on a trained adapter starts at zero KL, though the base differs."""
+    from training import losses
+    from training.trainer import response_logprobs
+
+    run(tiny_model_dir, tmp_path, examples(turn_data)[:2], lr=0.02)
+    prompt, response, _ = turn_data
+    _, model = load_policy(tiny_model_dir, tmp_path / "out", TrainingConfig(), torch.device("cpu"))
+    model.eval()
+    with torch.no_grad():
+        trained, mask = response_logprobs(model, [(prompt, response)], torch.device("cpu"), 0)
+        with model.disable_adapter():
+            base, _ = response_logprobs(model, [(prompt, response)], torch.device("cpu"), 0)
+    assert losses.kl_penalty(trained, base, mask).item() > 1e-3  # a KL to the base would start here
+
+    steps = []
+    thumbed = Example(kind="eval", sample_id=1, prompt_ids=prompt, response_ids=response, reward=1.0)
+    train(TrainingConfig(steps_per_job=2, lr=0.02, method="binary"), [thumbed], base_model_path=tiny_model_dir,
+          init_adapter_dir=tmp_path / "out", out_dir=tmp_path / "out2", served_model_name="base", device="cpu",
+          progress=lambda percent, parts: steps.append(parts["kl"]))
+    assert steps[0] == pytest.approx(0.0, abs=1e-6) and steps[1] > 1e-6
+
+
 def test_config_rejects_ranks_vllm_cannot_serve():
     with pytest.raises(ValueError, match="lora_rank"):
         TrainingConfig(lora_rank=12)
