@@ -52,8 +52,8 @@ class Agent(models.Model):
     batch_size = models.PositiveSmallIntegerField(default=4, help_text="Corrected replies, or replies with a reward alone, that trigger a job.")
     steps_per_job = models.PositiveSmallIntegerField(default=16)
     kl_coef = models.FloatField(
-        default=0.1, help_text="Weight of the KL penalty on the replies PPO trains on: a job keeps what the user did "
-        "not correct near the version it starts from. 0 turns it off.")
+        default=0.1, help_text="Weight of the KL penalty on the replies PPO trains on: what the user did not correct "
+        "stays near the base model, and a thumbed-up reply near the version the job starts from. 0 turns it off.")
     distill_kept_tokens = models.BooleanField(
         default=False, help_text="OPD holds the tokens a correction kept to the base model instead of learning "
         "them again: better retention of other skills, slower learning of the preference.")

@@ -119,7 +119,8 @@ def kl_penalty(logprobs, ref_logprobs, mask):
 
     Args:
         logprobs: (B, T) log pi_theta of the sampled tokens.
-        ref_logprobs: (B, T) log pi_ref (the version the job started from) of the same tokens.
+        ref_logprobs: (B, T) log pi_ref of the same tokens (the base model, or the version the job
+            started from).
         mask: (B, T).
     Returns:
         Scalar penalty (token mean).

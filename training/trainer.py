@@ -10,6 +10,7 @@ Run it from Python (Celery calls exactly this; nothing here knows about Django o
 Stages, top to bottom: load the model and adapter, tokenize, measure "before" (π_old where it is
 missing, teacher logprobs, log p(a*), probe distributions), the optimizer loop, the guards, save.
 """
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -226,8 +227,8 @@ def edited_tokens(original_ids, target_ids, eos):
 
 
 def unblamed_mask(examples, mask):
-    """mask without the tokens a correction changed: the KL to the starting version holds what the
-    user kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
+    """mask without the tokens a correction changed: the KL to the reference holds what the user
+    kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
     return mask * (1 - padded([e.blamed or [] for e in examples], mask.size(1), mask.device))
 
 
@@ -394,13 +395,16 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             c_prime = truncate(template_ids(tokenizer, e.messages), e.response_ids, config.max_seq_len)[0]
             lp, mask = response_logprobs(model, [(c_prime, e.response_ids)], device, pad_id)
             teacher[id(e)] = lp[0, : int(mask.sum())].tolist()
-    # The KL's reference is the version the job starts from (the base model on a first job): a
-    # penalty held to the base would pull a learned style back on every thumbed-up reply.
+    # The KL's reference: the base model where PPO pushes down (without that anchor, thumbs down
+    # alone drive an adapter to garbage over a few jobs), and the version the job starts from on
+    # thumbed-up replies (held to the base, the penalty would pull a learned style back there).
     reference = {}
     if config.kl_coef:
         with torch.no_grad():
             for e in evals + hints:
-                lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids)], device, pad_id)
+                approved = e.kind == "eval" and e.reward > 0
+                with contextlib.nullcontext() if approved else model.disable_adapter():
+                    lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids)], device, pad_id)
                 reference[id(e)] = lp[0, : int(mask.sum())].tolist()
     logp_before = mean_target_logprob(model, directive, device, pad_id, micro)
     probes = [template_ids(tokenizer, [{"role": "user", "content": p}]) for p in (probe_prompts or DEFAULT_PROBE_PROMPTS)]

@@ -13,6 +13,6 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='agent',
             name='kl_coef',
-            field=models.FloatField(default=0.1, help_text='Weight of the KL penalty on the replies PPO trains on: a job keeps what the user did not correct near the version it starts from. 0 turns it off.'),
+            field=models.FloatField(default=0.1, help_text='Weight of the KL penalty on the replies PPO trains on: what the user did not correct stays near the base model, and a thumbed-up reply near the version the job starts from. 0 turns it off.'),
         ),
     ]

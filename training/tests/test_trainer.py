@@ -103,9 +103,10 @@ def test_continues_from_an_existing_adapter(tiny_model_dir, tmp_path, turn_data)
     assert metrics["steps"] == 1 and (tmp_path / "out2" / "adapter_model.safetensors").exists()
 
 
-def test_the_kl_penalty_is_held_to_the_version_the_job_starts_from(tiny_model_dir, tmp_path, turn_data):
-    """A thumbed-up style the adapter already learned is not pulled back toward the base model:
-    the first step of a job on a trained adapter starts at zero KL, though the base differs."""
+def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_down_to_the_base(
+        tiny_model_dir, tmp_path, turn_data):
+    """A thumbed-up style the adapter already learned is not pulled back toward the base model (the
+    first step on a trained adapter starts at zero KL), while a −1 stays anchored to the base."""
     from training import losses
     from training.trainer import response_logprobs
 
@@ -119,12 +120,17 @@ def test_the_kl_penalty_is_held_to_the_version_the_job_starts_from(tiny_model_di
             base, _ = response_logprobs(model, [(prompt, response)], torch.device("cpu"), 0)
     assert losses.kl_penalty(trained, base, mask).item() > 1e-3  # a KL to the base would start here
 
-    steps = []
-    thumbed = Example(kind="eval", sample_id=1, prompt_ids=prompt, response_ids=response, reward=1.0)
-    train(TrainingConfig(steps_per_job=2, lr=0.02, method="binary"), [thumbed], base_model_path=tiny_model_dir,
-          init_adapter_dir=tmp_path / "out", out_dir=tmp_path / "out2", served_model_name="base", device="cpu",
-          progress=lambda percent, parts: steps.append(parts["kl"]))
-    assert steps[0] == pytest.approx(0.0, abs=1e-6) and steps[1] > 1e-6
+    def kl_by_step(reward):
+        steps = []
+        sample = Example(kind="eval", sample_id=1, prompt_ids=prompt, response_ids=response, reward=reward)
+        train(TrainingConfig(steps_per_job=2, lr=0.02, method="binary"), [sample], base_model_path=tiny_model_dir,
+              init_adapter_dir=tmp_path / "out", out_dir=tmp_path / f"out{reward}", served_model_name="base",
+              device="cpu", progress=lambda percent, parts: steps.append(parts["kl"]))
+        return steps
+
+    thumbed_up = kl_by_step(1.0)
+    assert thumbed_up[0] == pytest.approx(0.0, abs=1e-6) and thumbed_up[1] > 1e-6
+    assert kl_by_step(-1.0)[0] == pytest.approx(losses.kl_penalty(trained, base, mask).item(), rel=1e-3)
 
 
 def test_config_rejects_ranks_vllm_cannot_serve():
