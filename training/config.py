@@ -27,7 +27,7 @@ class TrainingConfig:
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})
     clip_eps: float = field(default=0.2, metadata={"help": "PPO ratio clip epsilon (OpenClaw-RL: 0.2)."})
     kl_coef: float = field(default=0.1, metadata={"help": "Weight of the KL penalty (k3) on the replies PPO trains "
-                           "on: to the base model, on thumbed-up replies to the version the job starts from; "
+                           "on, held to the base model (thumbed-up replies: to the version the job starts from); "
                            "0 = off, as in OpenClaw-RL."})
     distill_kept_tokens: bool = field(default=False, metadata={"help": "Tokens of a* that the user kept from the "
                                       "reply they corrected learn the base model's distribution (KL) instead of "
