@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
+from training import losses
 from training.config import TrainingConfig
-from training.trainer import Cancelled, Example, GuardFailed, load_policy, template_ids, train
+from training.trainer import Cancelled, Example, GuardFailed, load_policy, response_logprobs, template_ids, train
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -107,9 +108,6 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
         tiny_model_dir, tmp_path, turn_data):
     """A thumbed-up style the adapter already learned is not pulled back toward the base model (the
     first step on a trained adapter starts at zero KL), while a −1 stays anchored to the base."""
-    from training import losses
-    from training.trainer import response_logprobs
-
     run(tiny_model_dir, tmp_path, examples(turn_data)[:2], lr=0.02)
     prompt, response, _ = turn_data
     _, model = load_policy(tiny_model_dir, tmp_path / "out", TrainingConfig(), torch.device("cpu"))
@@ -118,7 +116,8 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
         trained, mask = response_logprobs(model, [(prompt, response)], torch.device("cpu"), 0)
         with model.disable_adapter():
             base, _ = response_logprobs(model, [(prompt, response)], torch.device("cpu"), 0)
-    assert losses.kl_penalty(trained, base, mask).item() > 1e-3  # a KL to the base would start here
+    kl_to_base = losses.kl_penalty(trained, base, mask).item()
+    assert kl_to_base > 1e-3  # a KL held to the base would start here
 
     def kl_by_step(reward):
         steps = []
@@ -130,7 +129,7 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
 
     thumbed_up = kl_by_step(1.0)
     assert thumbed_up[0] == pytest.approx(0.0, abs=1e-6) and thumbed_up[1] > 1e-6
-    assert kl_by_step(-1.0)[0] == pytest.approx(losses.kl_penalty(trained, base, mask).item(), rel=1e-3)
+    assert kl_by_step(-1.0)[0] == pytest.approx(kl_to_base, rel=1e-3)
 
 
 def test_config_rejects_ranks_vllm_cannot_serve():
