@@ -195,8 +195,6 @@ def test_a_correction_keeps_the_blame_off_the_tokens_it_kept(tiny_model_dir, tmp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.trainer import response_logprobs
-
     prompt, response, old = turn_data
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     kept_text = tokenizer.decode(response) + " and that is all"
