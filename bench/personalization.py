@@ -280,9 +280,12 @@ def adherence(user, prompts):
 
 
 def retention(user, questions):
+    """Accuracy on the model's own held-out questions, and a few of the replies it got wrong."""
     from serving.demo_model.corpus import is_correct
 
-    return sum(is_correct(qa, user.ask_greedy(qa.question)) for qa in questions) / len(questions)
+    replies = [(qa, user.ask_greedy(qa.question)) for qa in questions]
+    wrong = [reply for qa, reply in replies if not is_correct(qa, reply)]
+    return 1 - len(wrong) / len(questions), wrong[:3]
 
 
 @dataclass
@@ -292,10 +295,12 @@ class ArmResult:
     adherence: dict = field(default_factory=dict)  # step -> fraction
     interactions: dict = field(default_factory=dict)  # step -> interactions so far
     wall_s: dict = field(default_factory=dict)  # step -> seconds so far
-    retention: float | None = None
+    retention: float | None = None  # accuracy after the last step
+    retention_at: dict = field(default_factory=dict)  # step -> accuracy (trained steps only)
     jobs_failed: int = 0
     stalled_at: int | None = None  # published steps when guards refused every further job
     misses: dict = field(default_factory=dict)  # step -> a few held-out replies that failed the check
+    retention_misses: dict = field(default_factory=dict)  # step -> a few wrong answers to the questions
 
 
 def run_arm(method, preference, config, *, prompts, worker, log):
@@ -331,12 +336,14 @@ def run_arm(method, preference, config, *, prompts, worker, log):
         if method in TRAINED_ONLINE or step in (0, config.max_steps) or method == "none":
             result.adherence[step], replies = adherence(user, prompts["adherence"])
             result.misses[step] = [r for r in replies if not preference.check(r)][:3]
+        if step and method != "none" and step in result.adherence:
+            result.retention_at[step], result.retention_misses[step] = retention(user, prompts["retention"])
         result.interactions[step] = interactions
         result.wall_s[step] = round(time.monotonic() - start, 1)
         log(f"  {method:9s} {preference.name:18s} step {step:2d}: adherence {result.adherence.get(step)} "
             f"after {interactions} interactions, {result.wall_s[step]} s")
-    if method != "none":
-        result.retention = retention(user, prompts["retention"])
+    if result.retention_at:
+        result.retention = result.retention_at[config.max_steps]
     result.jobs_failed = finished_jobs(user).exclude(state="succeeded").count()
     return result
 
@@ -376,6 +383,10 @@ def summarize(results, base_retention, leakage, config):
         retentions = [r.retention for r in arms if r.retention is not None]
         if retentions and base_retention:
             figures[f"{method}_retention"] = round(sum(retentions) / len(retentions) / base_retention, 3)
+        for step in config.checkpoints[1:]:
+            values = [r.retention_at[step] for r in arms if step in r.retention_at]
+            if values and base_retention:
+                figures[f"{method}_retention_step{step}"] = round(sum(values) / len(values) / base_retention, 3)
         figures[f"{method}_wall_s"] = round(sum(r.wall_s[config.max_steps] for r in arms), 1)
     figures["base_accuracy"] = round(base_retention, 3)
     figures["leakage"] = leakage
@@ -389,12 +400,14 @@ def write_report(results, figures, config, out):
     raw = {"config": config_data, "figures": figures, "arms": [asdict(r) for r in results]}
     (out / "results.json").write_text(json.dumps(raw, indent=2, default=str))
     steps = config.checkpoints
-    lines = ["| method | " + " | ".join(f"adherence @{s}" for s in steps) + " | retention | leakage |",
-             "|---" * (len(steps) + 3) + "|"]
+    trained = steps[1:]
+    lines = ["| method | " + " | ".join(f"adherence @{s}" for s in steps) + " | "
+             + " | ".join(f"retention @{s}" for s in trained) + " | leakage |",
+             "|---" * (len(steps) + len(trained) + 2) + "|"]
     for method in config.methods:
         cells = [str(figures.get(f"{method}_adherence_step{s}", "–")) for s in steps]
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {figures.get(f'{method}_retention', '–')} | "
-                     f"{figures['leakage']} |")
+        cells += [str(figures.get(f"{method}_retention_step{s}", "–")) for s in trained]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {figures['leakage']} |")
     per_pref = ["", "| method | preference | " + " | ".join(f"@{s}" for s in steps)
                 + " | interactions | accuracy | failed jobs | stalled at |",
                 "|---" * (len(steps) + 6) + "|"]
@@ -461,7 +474,7 @@ def run(config, *, log=print):
             platform_processes(config, model_dir, Path(tmp) / "adapters") as (_, worker):
         bystander = SimulatedUser("bystander", {"training_enabled": False})
         before = bystander_replies(bystander, prompts["leakage"])
-        base_retention = retention(bystander, prompts["retention"])
+        base_retention, _ = retention(bystander, prompts["retention"])
         log(f"base accuracy on {len(prompts['retention'])} held-out questions: {base_retention:.3f}")
         results = []
         for preference in preferences:

@@ -35,10 +35,14 @@ def test_combined_adherence_rises_and_nothing_leaks(bench_run):
     assert figures["leakage"] == 0
     assert all(r.jobs_failed == 0 for r in results)
     assert all(r.interactions[2] > 0 for r in results if r.method == "combined")
+    # Accuracy is measured after every trained checkpoint, the last one is the arm's retention.
+    assert all(set(r.retention_at) == {2} and r.retention == r.retention_at[2] for r in results
+               if r.method == "combined")
+    assert all(r.retention_at == {} and r.retention is None for r in results if r.method == "none")
 
     write_report(results, figures, config, config.out)
     table = (config.out / "results.md").read_text()
-    assert table.startswith("| method |") and "| combined |" in table
+    assert table.startswith("| method |") and "| combined |" in table and "retention @2" in table
     assert json.loads((config.out / "results.json").read_text())["figures"] == figures
     assert (config.out / "adherence.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -47,10 +51,13 @@ def test_summary_averages_arms_and_scales_retention_by_base():
     from bench.personalization import ArmResult
 
     config = BenchConfig(methods=("combined",), checkpoints=(0, 2))
-    arms = [ArmResult("combined", "a", adherence={0: 0.0, 2: 1.0}, wall_s={2: 3.0}, retention=0.4),
-            ArmResult("combined", "b", adherence={0: 0.5, 2: 0.5}, wall_s={2: 1.0}, retention=0.8)]
+    arms = [ArmResult("combined", "a", adherence={0: 0.0, 2: 1.0}, wall_s={2: 3.0}, retention=0.4,
+                      retention_at={2: 0.4}),
+            ArmResult("combined", "b", adherence={0: 0.5, 2: 0.5}, wall_s={2: 1.0}, retention=0.8,
+                      retention_at={2: 0.8})]
     figures = summarize(arms, base_retention=0.8, leakage=0, config=config)
     assert figures["combined_adherence_step0"] == 0.25
     assert figures["combined_adherence_step2"] == 0.75
     assert figures["combined_retention"] == 0.75
+    assert figures["combined_retention_step2"] == 0.75
     assert figures["combined_wall_s"] == 4.0
