@@ -98,6 +98,22 @@ def opd_loss(logprobs_of_targets, mask, *, kept_mask=None, kept_kl=None):
     return per_token.sum() / mask.sum().clamp(min=1.0)
 
 
+def reward_baseline(rewards):
+    """The baseline subtracted from each ±1 before PPO: the mean reward of the job's replies.
+
+    A reply then teaches by how it compares with the others (REINFORCE with a baseline). A batch
+    whose replies all got the same reward carries no such contrast: without the baseline, its +1s
+    would train the model on its own samples, slips and wrong answers included, job after job.
+    With fewer than two replies there is nothing to compare with, and the baseline is 0.
+
+    Args:
+        rewards: the job's rewards (floats).
+    Returns:
+        A float.
+    """
+    return sum(rewards) / len(rewards) if len(rewards) > 1 else 0.0
+
+
 def teacher_advantages(teacher_logprobs, old_logprobs, mask, *, clip=1.0):
     """OPD teacher mode: A_t = clip(log pi_teacher(a_t | c') - log pi_old(a_t | c), -clip, clip).
 

@@ -379,6 +379,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             corrected = tokenizer(e.corrected_text, add_special_tokens=False)["input_ids"]
             e.blamed = blamed_tokens(e.response_ids, corrected, eos)
     evals = [e for e in used if e.kind == "eval"]
+    baseline = losses.reward_baseline([e.reward for e in evals]) if config.reward_baseline else 0.0
     hints = [e for e in used if e.kind == "hint"]
     directive = [e for e in used if e.kind == "directive"]
     micro = config.micro_batch_size
@@ -427,7 +428,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             raise Cancelled(f"cancelled before step {step + 1}")
         parts = {"ppo": 0.0, "opd": 0.0, "teacher": 0.0, "kl": 0.0, "clip_frac": 0.0}
 
-        # forward/backward, PPO part: eval rows get A = reward, hint rows the teacher advantage
+        # forward/backward, PPO part: eval rows get A = reward - baseline (on the blamed tokens of a
+        # corrected reply), hint rows the teacher advantage
         for group in chunks(ppo_set, micro):
             lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e, _ in group], device, pad_id)
             old = padded([e.old_logprobs for e, _ in group], lp.size(1), device)
@@ -435,7 +437,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             for i, (e, source) in enumerate(group):
                 n = len(e.response_ids)
                 if source == "reward":
-                    adv[i, :n] = e.reward if e.blamed is None else e.reward * torch.tensor(e.blamed, device=device)
+                    advantage = e.reward - baseline
+                    adv[i, :n] = advantage if e.blamed is None else advantage * torch.tensor(e.blamed, device=device)
                 else:
                     t = torch.tensor(teacher[id(e)], device=device)
                     adv[i, :n] = losses.teacher_advantages(t, old[i, :n], mask[i, :n], clip=config.teacher_adv_clip)
@@ -524,6 +527,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         "clip_frac": last["clip_frac"],
         "loss_first": history[0]["total"],
         "reward_mean": (sum(e.reward for e in evals) / len(evals)) if evals else None,
+        "reward_baseline": baseline,
         "samples_used": len(used),
         "samples_skipped": skipped,
         "eval_samples": len(evals),

@@ -132,6 +132,26 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
     assert kl_by_step(-1.0)[0] == pytest.approx(kl_to_base, rel=1e-3)
 
 
+def test_a_batch_of_thumbs_up_alone_leaves_the_adapter_where_it_was(tiny_model_dir, tmp_path, turn_data):
+    """With the reward baseline, replies that all got the same thumb carry no advantage: the job
+    doesn't train the model on its own samples. Without it, the same batch moves the adapter."""
+    from safetensors.torch import load_file
+
+    prompt, response, old = turn_data
+    approved = [Example(kind="eval", sample_id=i, prompt_ids=prompt, response_ids=response, old_logprobs=old,
+                        reward=1.0) for i in (1, 2)]
+
+    def lora_b_norm(out, **overrides):
+        metrics = run(tiny_model_dir, out, approved, method="binary", **overrides)
+        weights = load_file(out / "out" / "adapter_model.safetensors")
+        return metrics, sum(w.abs().sum().item() for name, w in weights.items() if "lora_B" in name)
+
+    metrics, moved = lora_b_norm(tmp_path / "baseline")
+    assert metrics["reward_baseline"] == 1.0 and moved == 0.0  # B starts at zero and stays there
+    metrics, moved = lora_b_norm(tmp_path / "raw", reward_baseline=False)
+    assert metrics["reward_baseline"] == 0.0 and moved > 0.0
+
+
 def test_config_rejects_ranks_vllm_cannot_serve():
     with pytest.raises(ValueError, match="lora_rank"):
         TrainingConfig(lora_rank=12)
