@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from training import losses
 from training.config import TrainingConfig
@@ -135,8 +136,6 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
 def test_a_batch_of_thumbs_up_alone_leaves_the_adapter_where_it_was(tiny_model_dir, tmp_path, turn_data):
     """With the reward baseline, replies that all got the same thumb carry no advantage: the job
     doesn't train the model on its own samples. Without it, the same batch moves the adapter."""
-    from safetensors.torch import load_file
-
     prompt, response, old = turn_data
     approved = [Example(kind="eval", sample_id=i, prompt_ids=prompt, response_ids=response, old_logprobs=old,
                         reward=1.0) for i in (1, 2)]
