@@ -148,14 +148,18 @@ class SimulatedUser:
         self.browser = Client(SERVER_NAME="localhost", enforce_csrf_checks=False)
         self.browser.force_login(self.user)
         self.sessions = 0
-        self.requests = 0
+        self.sampled_requests = 0
+
+    def request_body(self, messages, *, greedy):
+        """The completion request: greedy, or sampled with a seed that counts the sampled requests
+        alone, so a rerun replays the same conversation and measurements between turns never shift it."""
+        if greedy:
+            return {"model": self.agent.slug, "messages": messages, "temperature": 0.0, "seed": 0}
+        self.sampled_requests += 1
+        return {"model": self.agent.slug, "messages": messages, "seed": self.sampled_requests}
 
     def complete(self, messages, *, session, greedy, side=False, max_tokens=None, done=False):
-        self.requests += 1
-        # Sampled replies are seeded per request too, so a rerun replays the same conversation.
-        body = {"model": self.agent.slug, "messages": messages, "seed": self.requests}
-        if greedy:
-            body.update(temperature=0.0, seed=0)
+        body = self.request_body(messages, greedy=greedy)
         if max_tokens:
             body["max_tokens"] = max_tokens
         headers = {"HTTP_X_SESSION_ID": session, "HTTP_X_TURN_TYPE": "side" if side else "main"}

@@ -61,3 +61,16 @@ def test_summary_averages_arms_and_scales_retention_by_base():
     assert figures["combined_retention"] == 0.75
     assert figures["combined_retention_step2"] == 0.75
     assert figures["combined_wall_s"] == 4.0
+
+
+def test_only_sampled_requests_advance_the_seed():
+    from bench.personalization import SimulatedUser
+
+    user = SimulatedUser("seeded", {})
+    messages = [{"role": "user", "content": "Hi"}]
+    first = user.request_body(messages, greedy=False)
+    greedy = user.request_body(messages, greedy=True)
+    second = user.request_body(messages, greedy=False)
+    assert (first["seed"], second["seed"]) == (1, 2)
+    assert greedy["temperature"] == 0.0 and greedy["seed"] == 0
+    assert "temperature" not in first  # sampled at the agent's own temperature

@@ -35,6 +35,9 @@ class TrainingConfig:
     distill_kept_tokens: bool = field(default=False, metadata={"help": "Tokens of a* that the user kept from the "
                                       "reply they corrected learn the base model's distribution (KL) instead of "
                                       "the sampled tokens themselves; False = plain -log p(a*) on every token."})
+    opd_slip_prob: float = field(default=0.05, metadata={"help": "Kept tokens of a* that the sampler drew with "
+                                 "probability below this (slips of sampling, such as a wrong digit) are left out of "
+                                 "the OPD loss (trainer.slip_tokens); 0 = every token of a* counts."})
     opd_mode: str = field(default="token", metadata={"help": "token: -log p(a*|c') on the target; teacher: "
                           "advantage = clip(log p_teacher(a|c') - log p_old(a|c), ±1) in the PPO loss."})
     teacher_adv_clip: float = field(default=1.0, metadata={"help": "Clip of the teacher-mode token advantage."})
@@ -64,6 +67,8 @@ class TrainingConfig:
             raise ValueError("steps_per_job, batch_size and micro_batch_size must be >= 1")
         if self.replay_corrections < 0:
             raise ValueError("replay_corrections must be >= 0")
+        if not 0 <= self.opd_slip_prob < 1:
+            raise ValueError("opd_slip_prob must be in [0, 1)")
         if self.max_grad_norm <= 0 or self.kl_guard <= 0 or self.teacher_adv_clip <= 0:
             raise ValueError("max_grad_norm, kl_guard and teacher_adv_clip must be > 0")
         if not set(self.target_modules) <= set(LORA_TARGET_MODULES):

@@ -54,7 +54,9 @@ class Example:
     corrected_text: str = ""  # eval only: the user's correction of this reply, if they wrote one
     blamed: list | None = None  # eval only: 1 per response token a -1 falls on (see blamed_tokens); None: all
     original_ids: list = field(default_factory=list)  # directive only: the reply a* corrects, if stored
+    original_logprobs: list | None = None  # directive only: the sampler's log p of each original_ids token
     edited: list | None = None  # directive only: 1 per target token the correction changed (see edited_tokens)
+    slips: list | None = None  # directive only: 1 per kept target token the sampler drew improbably (see slip_tokens)
 
 
 def examples_from_samples(samples):
@@ -80,7 +82,8 @@ def examples_from_samples(samples):
         )
         if s.target_text:
             examples.append(Example(kind="directive", sample_id=s.pk, messages=s.enhanced_messages or s.context_messages,
-                                    target_text=s.target_text, original_ids=list(turn.token_ids or [])))
+                                    target_text=s.target_text, original_ids=list(turn.token_ids or []),
+                                    original_logprobs=list(turn.logprobs) if turn.logprobs else None))
         elif s.reward is not None or s.hint:
             if not stored["prompt_ids"] or not stored["response_ids"]:
                 skipped.append(s.pk)
@@ -226,6 +229,28 @@ def edited_tokens(original_ids, target_ids, eos):
     return edited + [1] * (len(target_ids) - len(body))
 
 
+def slip_tokens(original_ids, original_logprobs, target_ids, eos, max_prob):
+    """1 for each token of a* that the user kept from the reply and that the sampler drew with
+    probability below max_prob (its raw log p, stored at generation): a slip of sampling, such as
+    a wrong digit at temperature 0.7. 0 everywhere else, and everywhere without stored logprobs.
+
+    OPD skips the slips: the user kept them because they judged the style, not because those
+    tokens are right, and -log p is steepest on exactly such improbable tokens. Kept tokens the
+    model drew with confidence (the half-learned style among them) still count.
+    """
+    slips = [0] * len(target_ids)
+    if not original_logprobs or len(original_logprobs) != len(original_ids) or max_prob <= 0:
+        return slips
+    drawn = [(t, lp) for t, lp in zip(original_ids, original_logprobs) if t != eos]
+    body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
+    threshold = math.log(max_prob)
+    for tag, i1, i2, j1, _ in token_diff([t for t, _ in drawn], body):
+        if tag == "equal":
+            for k in range(i2 - i1):
+                slips[j1 + k] = int(drawn[i1 + k][1] < threshold)
+    return slips
+
+
 def unblamed_mask(examples, mask):
     """mask without the tokens a correction changed: the KL to the reference holds what the user
     kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
@@ -368,6 +393,9 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             target = tokenizer(e.target_text, add_special_tokens=False)["input_ids"] + [eos]
             e.prompt_ids, e.response_ids = truncate(template_ids(tokenizer, e.messages), target, config.max_seq_len)
             e.edited = edited_tokens(e.original_ids, e.response_ids, eos)
+            # distill_kept_tokens holds every kept token to the base model already, slips included
+            slip_prob = 0.0 if config.distill_kept_tokens else config.opd_slip_prob
+            e.slips = slip_tokens(e.original_ids, e.original_logprobs, e.response_ids, eos, slip_prob)
         else:
             if e.old_logprobs is not None and len(e.old_logprobs) != len(e.response_ids):
                 e.old_logprobs = None  # a torn record: recompute rather than misalign
@@ -417,7 +445,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     ppo_set = [(e, "reward") for e in evals] + [(e, "teacher") for e in hints]
     ppo_tokens = sum(len(e.response_ids) for e, _ in ppo_set)
-    opd_tokens = sum(len(e.response_ids) for e in directive)
+    opd_tokens = sum(len(e.response_ids) - sum(e.slips) for e in directive)
     # L = L_PPO + α L_OPD only when both signals train; a lone OPD objective keeps weight 1.
     alpha = config.alpha if config.method == "combined" else 1.0
     history = []
@@ -472,8 +500,9 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 opd = losses.opd_loss(lp, mask, kept_mask=kept, kept_kl=losses.position_kl(base_dist, dist))
             else:
                 lp, mask = response_logprobs(model, pairs, device, pad_id)
+                mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))
                 opd = losses.opd_loss(lp, mask)
-            opd = opd * (mask.sum() / opd_tokens)
+            opd = opd * (mask.sum() / max(1, opd_tokens))
             (alpha * opd).backward()
             parts["opd"] += opd.item()
 
@@ -532,6 +561,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         "samples_skipped": skipped,
         "eval_samples": len(evals),
         "directive_samples": len(directive),
+        "opd_slips_skipped": sum(sum(e.slips) for e in directive),
         "hint_samples": len(hints),
         "steps": len(history),
         "stopped_early": len(history) < config.steps_per_job,

@@ -158,6 +158,8 @@ def test_config_rejects_ranks_vllm_cannot_serve():
         TrainingConfig(method="dpo")
     with pytest.raises(ValueError, match="replay_corrections"):
         TrainingConfig(replay_corrections=-1)
+    with pytest.raises(ValueError, match="opd_slip_prob"):
+        TrainingConfig(opd_slip_prob=1.0)
 
 
 EOS = 2
@@ -206,6 +208,27 @@ def test_opd_knows_which_tokens_the_correction_changed(original, target, weights
     from training.trainer import edited_tokens
 
     assert edited_tokens(original, target, EOS) == weights
+
+
+LOW, HIGH = math.log(0.01), math.log(0.9)
+
+
+@pytest.mark.parametrize("original, logprobs, target, slips", [
+    # a sign-off appended to a reply with one improbable draw: only that kept token is a slip
+    ([5, 6, 7, EOS], [HIGH, LOW, HIGH, HIGH], [5, 6, 7, 8, 9, EOS], [0, 1, 0, 0, 0, 0]),
+    # the user rewrote the improbable token: what they wrote is never a slip
+    ([5, 6, 7, EOS], [HIGH, LOW, HIGH, HIGH], [5, 9, 7, EOS], [0, 0, 0, 0]),
+    # a prefix added: kept tokens keep their own draw's probability
+    ([5, 6, EOS], [LOW, HIGH, HIGH], [4, 5, 6, EOS], [0, 1, 0, 0]),
+    # no stored logprobs (or torn ones): nothing is a slip
+    ([5, 6, EOS], None, [5, 6, 8, EOS], [0, 0, 0, 0]),
+    ([5, 6, EOS], [LOW], [5, 6, 8, EOS], [0, 0, 0, 0]),
+])
+def test_opd_finds_the_kept_tokens_the_sampler_drew_improbably(original, logprobs, target, slips):
+    from training.trainer import slip_tokens
+
+    assert slip_tokens(original, logprobs, target, EOS, 0.05) == slips
+    assert slip_tokens(original, logprobs, target, EOS, 0.0) == [0] * len(target)  # off
 
 
 def test_a_correction_keeps_the_blame_off_the_tokens_it_kept(tiny_model_dir, tmp_path, turn_data):
@@ -288,3 +311,40 @@ def test_opd_holds_the_tokens_a_correction_kept_to_the_base_model(tiny_model_dir
     distill_logp, distill_kept_kl = measure(tmp_path / "distill")
     assert distill_logp > sft_logp - 0.5, (distill_logp, sft_logp)  # the edit is learned as well
     assert distill_kept_kl < sft_kept_kl / 2, (distill_kept_kl, sft_kept_kl)
+
+
+def test_opd_leaves_out_the_kept_tokens_the_sampler_drew_improbably(tiny_model_dir, tmp_path, turn_data):
+    """A correction that appends to a reply whose every token was a slip of sampling: with
+    opd_slip_prob the appended words are learned as before, and the slips are not taught."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.trainer import edited_tokens, end_token_id
+
+    prompt, response, _ = turn_data
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    target_text = tokenizer.decode([t for t in response if t != EOS]) + " and that is all"
+    improbable = [math.log(0.001)] * len(response)
+
+    def mean_logprobs(out):
+        """Mean log p of a*'s edited tokens and of its kept ones."""
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, out).eval() if out else base.eval()
+        target = tokenizer(target_text, add_special_tokens=False)["input_ids"] + [end_token_id(tokenizer, model)]
+        edited = torch.tensor(edited_tokens(response, target, end_token_id(tokenizer, model)), dtype=torch.float32)
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, [(prompt, target)], torch.device("cpu"), 0)
+        return ((lp[0] * edited).sum() / edited.sum()).item(), ((lp[0] * (1 - edited)).sum() / (1 - edited).sum()).item()
+
+    for name, slip_prob in (("all", 0.0), ("filtered", 0.05)):
+        directive = Example(kind="directive", messages=QUESTION, target_text=target_text, original_ids=response,
+                            original_logprobs=improbable)
+        metrics = train(TrainingConfig(method="opd", steps_per_job=6, lr=5e-3, kl_guard=100.0, opd_slip_prob=slip_prob),
+                        [directive], base_model_path=tiny_model_dir, init_adapter_dir=None,
+                        out_dir=tmp_path / name, served_model_name="base", device="cpu")
+        assert (metrics["opd_slips_skipped"] > 0) == (slip_prob > 0)
+    _, kept_before = mean_logprobs(None)
+    all_edited, all_kept = mean_logprobs(tmp_path / "all")
+    filtered_edited, filtered_kept = mean_logprobs(tmp_path / "filtered")
+    assert filtered_edited > all_edited - 0.5, (filtered_edited, all_edited)  # the appended words are learned
+    assert filtered_kept - kept_before < (all_kept - kept_before) / 2, (kept_before, all_kept, filtered_kept)
