@@ -282,7 +282,7 @@ def test_opd_jobs_replay_the_corrections_their_version_learned_not_abandoned_one
 
 def test_every_minus_one_on_a_corrected_reply_knows_the_correction(db):
     """The thumb-down and the correction of one reply both blame only what the correction changed,
-    and the correction's OPD target knows the reply it corrected."""
+    and the correction's OPD target knows the reply it corrected, with the sampler's logprobs."""
     from training.signals import build_samples
     from training.trainer import examples_from_samples
 
@@ -303,3 +303,4 @@ def test_every_minus_one_on_a_corrected_reply_knows_the_correction(db):
     assert on_other.corrected_text == ""
     [directive] = [e for e in examples if e.kind == "directive"]
     assert directive.target_text == "Paris. Cheers!" and directive.original_ids == [7, 8, 9]
+    assert directive.original_logprobs == [-0.1, -0.2, -0.3]
