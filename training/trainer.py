@@ -211,22 +211,29 @@ def blamed_tokens(response_ids, corrected_ids, eos):
     return blamed
 
 
+def kept_positions(original_ids, target_ids, eos):
+    """{j: i} for each token a*[j] (target_ids, ending in eos) that the user kept from the reply
+    as sampled, i being its index in original_ids; the same token diff as blamed_tokens. The eos
+    is never kept: where the reply stops is part of what the user said."""
+    body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
+    drawn = [i for i, t in enumerate(original_ids) if t != eos]
+    kept = {}
+    for tag, i1, i2, j1, _ in token_diff([original_ids[i] for i in drawn], body):
+        if tag == "equal":
+            kept.update({j1 + k: drawn[i1 + k] for k in range(i2 - i1)})
+    return kept
+
+
 def edited_tokens(original_ids, target_ids, eos):
     """1 for each token of a* (target_ids, ending in eos) that the user's correction changed or
     added, 0 for those they kept from the reply (original_ids) as it was sampled.
 
     The kept tokens are the model's own sample: with distill_kept_tokens, OPD holds them to the
     base model's distribution instead of teaching the sampled tokens again, slips included (see
-    losses.opd_loss). The eos always counts as changed: where the reply stops is part of what
-    the user said.
+    losses.opd_loss). The eos always counts as changed.
     """
-    body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
-    original = [t for t in original_ids if t != eos]
-    edited = [1] * len(body)
-    for tag, i1, i2, j1, j2 in token_diff(original, body):
-        if tag == "equal":
-            edited[j1:j2] = [0] * (j2 - j1)
-    return edited + [1] * (len(target_ids) - len(body))
+    kept = kept_positions(original_ids, target_ids, eos)
+    return [0 if j in kept else 1 for j in range(len(target_ids))]
 
 
 def slip_tokens(original_ids, original_logprobs, target_ids, eos, max_prob):
@@ -238,17 +245,10 @@ def slip_tokens(original_ids, original_logprobs, target_ids, eos, max_prob):
     tokens are right, and -log p is steepest on exactly such improbable tokens. Kept tokens the
     model drew with confidence (the half-learned style among them) still count.
     """
-    slips = [0] * len(target_ids)
     if not original_logprobs or len(original_logprobs) != len(original_ids) or max_prob <= 0:
-        return slips
-    drawn = [(t, lp) for t, lp in zip(original_ids, original_logprobs) if t != eos]
-    body = target_ids[:-1] if target_ids and target_ids[-1] == eos else list(target_ids)
-    threshold = math.log(max_prob)
-    for tag, i1, i2, j1, _ in token_diff([t for t, _ in drawn], body):
-        if tag == "equal":
-            for k in range(i2 - i1):
-                slips[j1 + k] = int(drawn[i1 + k][1] < threshold)
-    return slips
+        return [0] * len(target_ids)
+    kept, threshold = kept_positions(original_ids, target_ids, eos), math.log(max_prob)
+    return [int(j in kept and original_logprobs[kept[j]] < threshold) for j in range(len(target_ids))]
 
 
 def unblamed_mask(examples, mask):
@@ -502,7 +502,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 lp, mask = response_logprobs(model, pairs, device, pad_id)
                 mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))
                 opd = losses.opd_loss(lp, mask)
-            opd = opd * (mask.sum() / max(1, opd_tokens))
+            opd = opd * (mask.sum() / opd_tokens)
             (alpha * opd).backward()
             parts["opd"] += opd.item()
 
