@@ -44,6 +44,7 @@ class Example:
 
     kind: str
     sample_id: int = 0
+    turn_id: int | None = None  # the reply the sample is about (None: a reply of its own)
     prompt_ids: list = field(default_factory=list)
     response_ids: list = field(default_factory=list)
     old_logprobs: list | None = None
@@ -75,6 +76,7 @@ def examples_from_samples(samples):
         version = turn.adapter_version
         stored = dict(
             sample_id=s.pk,
+            turn_id=s.turn_id,
             prompt_ids=list(turn.prompt_token_ids or []),
             response_ids=list(turn.token_ids or []),
             old_logprobs=list(turn.logprobs) if turn.logprobs else None,
@@ -251,6 +253,15 @@ def slip_tokens(original_ids, original_logprobs, target_ids, eos, max_prob):
     return [int(j in kept and original_logprobs[kept[j]] < threshold) for j in range(len(target_ids))]
 
 
+def reply_rewards(evals):
+    """Each reply's reward, the mean of its samples': a corrected reply carries two or three -1s
+    (the thumb, the correction, the next message), and the baseline compares replies, not samples."""
+    by_reply = {}
+    for e in evals:
+        by_reply.setdefault(id(e) if e.turn_id is None else e.turn_id, []).append(e.reward)
+    return [sum(rewards) / len(rewards) for rewards in by_reply.values()]
+
+
 def unblamed_mask(examples, mask):
     """mask without the tokens a correction changed: the KL to the reference holds what the user
     kept, and leaves free what they asked to change (a prefix where the reply began, say)."""
@@ -407,7 +418,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             corrected = tokenizer(e.corrected_text, add_special_tokens=False)["input_ids"]
             e.blamed = blamed_tokens(e.response_ids, corrected, eos)
     evals = [e for e in used if e.kind == "eval"]
-    baseline = losses.reward_baseline([e.reward for e in evals]) if config.reward_baseline else 0.0
+    baseline = losses.reward_baseline(reply_rewards(evals)) if config.reward_baseline else 0.0
     hints = [e for e in used if e.kind == "hint"]
     directive = [e for e in used if e.kind == "directive"]
     micro = config.micro_batch_size

@@ -301,6 +301,7 @@ def test_every_minus_one_on_a_corrected_reply_knows_the_correction(db):
     assert len(on_reply) == 2 and {e.corrected_text for e in on_reply} == {"Paris. Cheers!"}
     [on_other] = [e for e in examples if e.kind == "eval" and e.response_ids == [5, 6]]
     assert on_other.corrected_text == ""
+    assert {e.turn_id for e in on_reply} == {reply.pk} and on_other.turn_id == other.pk  # the baseline counts replies
     [directive] = [e for e in examples if e.kind == "directive"]
     assert directive.target_text == "Paris. Cheers!" and directive.original_ids == [7, 8, 9]
     assert directive.original_logprobs == [-0.1, -0.2, -0.3]

@@ -151,6 +151,22 @@ def test_a_batch_of_thumbs_up_alone_leaves_the_adapter_where_it_was(tiny_model_d
     assert metrics["reward_baseline"] == 0.0 and moved > 0.0
 
 
+def test_the_baseline_counts_a_corrected_reply_once(tiny_model_dir, tmp_path, turn_data):
+    """A corrected reply carries two -1s (the thumb and the correction's). Counted per sample, a
+    job on it and one thumbed-up reply had a baseline of -1/3; counted per reply it is 0, and a
+    lone corrected reply keeps its -1 instead of losing it to its own double count."""
+    prompt, response, old = turn_data
+
+    def reply(turn_id, reward, copies):
+        return [Example(kind="eval", sample_id=10 * turn_id + i, turn_id=turn_id, prompt_ids=prompt,
+                        response_ids=response, old_logprobs=old, reward=reward) for i in range(copies)]
+
+    metrics = run(tiny_model_dir, tmp_path / "two", reply(1, -1.0, 2) + reply(2, 1.0, 1), method="binary")
+    assert metrics["reward_baseline"] == 0.0 and metrics["reward_mean"] == pytest.approx(-1 / 3)
+    metrics = run(tiny_model_dir, tmp_path / "lone", reply(1, -1.0, 2), method="binary")
+    assert metrics["reward_baseline"] == 0.0 and metrics["loss_ppo"] != 0.0
+
+
 def test_config_rejects_ranks_vllm_cannot_serve():
     with pytest.raises(ValueError, match="lora_rank"):
         TrainingConfig(lora_rank=12)
