@@ -107,7 +107,7 @@ def reward_baseline(rewards):
     With fewer than two replies there is nothing to compare with, and the baseline is 0.
 
     Args:
-        rewards: the job's rewards (floats).
+        rewards: one reward per reply (floats; `trainer.reply_rewards` merges the samples of a reply).
     Returns:
         A float.
     """
