@@ -302,6 +302,7 @@ class ArmResult:
     retention: float | None = None  # accuracy after the last step
     retention_at: dict = field(default_factory=dict)  # step -> accuracy (trained steps only)
     jobs_failed: int = 0
+    job_errors: list = field(default_factory=list)  # "job N failed: <the guard's reason>" per failed job
     stalled_at: int | None = None  # published steps when guards refused every further job
     misses: dict = field(default_factory=dict)  # step -> a few held-out replies that failed the check
     retention_misses: dict = field(default_factory=dict)  # step -> a few wrong answers to the questions
@@ -348,7 +349,9 @@ def run_arm(method, preference, config, *, prompts, worker, log):
             f"after {interactions} interactions, {result.wall_s[step]} s")
     if result.retention_at:
         result.retention = result.retention_at[config.max_steps]
-    result.jobs_failed = finished_jobs(user).exclude(state="succeeded").count()
+    unpublished = finished_jobs(user).exclude(state="succeeded").order_by("pk")
+    result.job_errors = [f"job {job.pk} {job.state}: {job.error}" for job in unpublished]
+    result.jobs_failed = len(result.job_errors)
     return result
 
 
@@ -422,6 +425,9 @@ def write_report(results, figures, config, out):
         per_pref.append(f"| {r.method} | {r.preference} | " + " | ".join(cell(r.adherence.get(s)) for s in steps)
                         + f" | {r.interactions.get(config.max_steps)} | {cell(r.retention)} | {r.jobs_failed} | "
                         + ("–" if r.stalled_at is None else f"{r.stalled_at} steps") + " |")
+    failed = [f"- {r.method} {r.preference}: {error}" for r in results for error in r.job_errors]
+    if failed:
+        per_pref += ["", "Jobs that published nothing (the previous version stayed active):", "", *failed]
     (out / "results.md").write_text("\n".join(lines + per_pref) + "\n")
     plot(results, config, out / "adherence.png")
 

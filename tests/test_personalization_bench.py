@@ -33,7 +33,7 @@ def test_combined_adherence_rises_and_nothing_leaks(bench_run):
     assert figures["combined_adherence_step2"] > figures["combined_adherence_step0"]
     assert figures["none_adherence_step2"] == figures["none_adherence_step0"]
     assert figures["leakage"] == 0
-    assert all(r.jobs_failed == 0 for r in results)
+    assert all(r.jobs_failed == 0 and r.job_errors == [] for r in results), [r.job_errors for r in results]
     assert all(r.interactions[2] > 0 for r in results if r.method == "combined")
     # Accuracy is measured after every trained checkpoint, the last one is the arm's retention.
     assert all(set(r.retention_at) == {2} and r.retention == r.retention_at[2] for r in results
@@ -74,3 +74,17 @@ def test_only_sampled_requests_advance_the_seed():
     assert (first["seed"], second["seed"]) == (1, 2)
     assert greedy["temperature"] == 0.0 and greedy["seed"] == 0
     assert "temperature" not in first  # sampled at the agent's own temperature
+
+
+def test_the_report_names_the_jobs_that_published_nothing(tmp_path):
+    from bench.personalization import ArmResult
+
+    config = BenchConfig(methods=("combined",), checkpoints=(0, 2), out=tmp_path)
+    error = "job 7 failed: KL to the previous version on the probe prompts is 2.5 > 2.0 after the first step"
+    arms = [ArmResult("combined", "a", adherence={0: 0.0, 2: 1.0}, interactions={0: 0, 2: 8}, wall_s={2: 9.0},
+                      jobs_failed=1, job_errors=[error]),
+            ArmResult("combined", "b", adherence={0: 0.0, 2: 0.5}, interactions={0: 0, 2: 8}, wall_s={2: 9.0})]
+    write_report(arms, summarize(arms, base_retention=0.8, leakage=0, config=config), config, tmp_path)
+    report = (tmp_path / "results.md").read_text()
+    assert f"- combined a: {error}" in report and "combined b:" not in report
+    assert json.loads((tmp_path / "results.json").read_text())["arms"][0]["job_errors"] == [error]
