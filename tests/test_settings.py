@@ -162,6 +162,7 @@ ENV_CASES = [
     ("RATE_LIMIT_FEEDBACK_PER_MINUTE", "3", "RATE_LIMIT_FEEDBACK_PER_MINUTE", 3),
     ("METRICS_TOKEN", "tok", "METRICS_TOKEN", "tok"),
     ("LOG_LEVEL", "DEBUG", "LOGGING['root']['level']", "DEBUG"),
+    ("HF_HUB_OFFLINE", "false", "HF_HUB_OFFLINE", False),
 ]
 
 
@@ -204,6 +205,12 @@ def test_every_env_var_is_in_the_readme():
     readme = (REPO / "README.md").read_text()
     missing = {name for name in documented_env_vars() if f"`{name}`" not in readme}
     assert missing == set()
+
+
+@pytest.mark.parametrize(("env", "offline"), [({}, True), ({"HF_HUB_OFFLINE": "false"}, False)])
+def test_the_hub_is_off_for_transformers_unless_the_environment_turns_it_on(env, offline):
+    hub = "__import__('huggingface_hub.constants', fromlist=['HF_HUB_OFFLINE']).HF_HUB_OFFLINE"
+    assert load_settings(env, expressions=[hub]) == [offline]
 
 
 def test_production_refuses_to_start_without_secret_key():

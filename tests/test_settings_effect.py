@@ -36,6 +36,7 @@ EFFECTS = {
     "CELERY_TASK_TIME_LIMIT": "here: test_a_started_process_obeys_its_environment (Celery app conf)",
     "CELERY_TASK_SOFT_TIME_LIMIT": "here: test_a_started_process_obeys_its_environment (Celery app conf)",
     "CELERY_VISIBILITY_TIMEOUT": "here: test_a_started_process_obeys_its_environment (Celery app conf)",
+    "HF_HUB_OFFLINE": "tests/test_settings.py::test_the_hub_is_off_for_transformers_unless_the_environment_turns_it_on",
     "MODEL": "here: test_a_started_process_obeys_its_environment; tests/test_base_model_mismatch.py",
     "SERVED_MODEL_NAME": "here: test_a_started_process_obeys_its_environment (client, base identity)",
     "INFERENCE_URL": "here: test_a_started_process_obeys_its_environment (client replicas)",

@@ -49,6 +49,11 @@ LANGUAGE_CODE = "en-us"
 USE_I18N = True
 USE_TZ = True
 DATA_DIR = Path(env("DATA_DIR", str(BASE_DIR / "var"))).resolve()
+# transformers and peft ask the Hugging Face hub for files (a config, a tokenizer) unless the hub is
+# off; they read this when first imported, which is after the settings. MODEL is a local
+# directory unless a deployment lets them fetch it (HF_HUB_OFFLINE=0, as docker-compose.yml does).
+HF_HUB_OFFLINE = env_bool("HF_HUB_OFFLINE", True)
+os.environ["HF_HUB_OFFLINE"] = "1" if HF_HUB_OFFLINE else "0"
 
 # DATABASES
 # ------------------------------------------------------------------------------

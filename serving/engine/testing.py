@@ -107,5 +107,5 @@ def make_peft_adapter(model_dir, out_dir, *, rank=4, alpha=8, seed=0, target_mod
             if "lora_B" in name or "lora_A" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
-    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    peft_model.save_pretrained(str(out_dir), safe_serialization=True, save_embedding_layers=False)
     return Path(out_dir)

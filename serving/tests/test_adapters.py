@@ -44,7 +44,7 @@ def make_peft_dir(dest, *, model_dir=None, seed=1, r=8, target_modules=("q_proj"
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.5)
-    model.save_pretrained(dest)
+    model.save_pretrained(dest, save_embedding_layers=False)
     return Path(dest)
 
 
