@@ -47,7 +47,7 @@ class Agent(models.Model):
     training_enabled = models.BooleanField(default=True)
     training_method = models.CharField(max_length=16, choices=Method.choices, default=Method.COMBINED)
     alpha = models.FloatField(default=0.5, help_text="Weight of the OPD loss in the combined loss.")
-    learning_rate = models.FloatField(default=2e-3)
+    learning_rate = models.FloatField(default=1e-3)
     lora_rank = models.PositiveSmallIntegerField(default=8)
     batch_size = models.PositiveSmallIntegerField(default=4, help_text="Corrected replies, or replies with a reward alone, that trigger a job.")
     steps_per_job = models.PositiveSmallIntegerField(default=16)

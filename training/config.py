@@ -14,7 +14,7 @@ class TrainingConfig:
                         "combined (L_PPO + alpha * L_OPD) or offline (OPD loss only, over all corrections)."})
     alpha: float = field(default=0.5, metadata={"help": "Weight of the OPD loss in the combined loss."})
     # 1e-6 is a full-fine-tuning rate; LoRA moves far fewer weights and needs ~100x more.
-    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate for the LoRA weights."})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate for the LoRA weights."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r; one of 8/16/32/64 so vLLM can serve it."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = lora_alpha / r)."})
