@@ -35,6 +35,10 @@ class TrainingConfig:
     distill_kept_tokens: bool = field(default=False, metadata={"help": "Tokens of a* that the user kept from the "
                                       "reply they corrected learn the base model's distribution (KL) instead of "
                                       "the sampled tokens themselves; False = plain -log p(a*) on every token."})
+    distill_min_base_prob: float = field(default=0.0, metadata={"help": "With distill_kept_tokens, only the kept "
+                                         "tokens that the base model itself gives at least this probability are held to "
+                                         "its distribution; the kept tokens it finds less likely (the style the adapter "
+                                         "has begun to write) learn as a* (trainer.mark_held_tokens). 0 = every kept token."})
     opd_slip_prob: float = field(default=0.05, metadata={"help": "Kept tokens of a* that the sampler drew with "
                                  "probability below this (slips of sampling, such as a wrong digit) are left out of "
                                  "the OPD loss (trainer.slip_tokens); 0 = every token of a* counts."})
@@ -67,6 +71,8 @@ class TrainingConfig:
             raise ValueError("steps_per_job, batch_size and micro_batch_size must be >= 1")
         if self.replay_corrections < 0:
             raise ValueError("replay_corrections must be >= 0")
+        if not 0 <= self.distill_min_base_prob < 1:
+            raise ValueError("distill_min_base_prob must be in [0, 1)")
         if not 0 <= self.opd_slip_prob < 1:
             raise ValueError("opd_slip_prob must be in [0, 1)")
         if self.max_grad_norm <= 0 or self.kl_guard <= 0 or self.teacher_adv_clip <= 0:

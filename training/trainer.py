@@ -58,6 +58,7 @@ class Example:
     original_logprobs: list | None = None  # directive only: the sampler's log p of each original_ids token
     edited: list | None = None  # directive only: 1 per target token the correction changed (see edited_tokens)
     slips: list | None = None  # directive only: 1 per kept target token the sampler drew improbably (see slip_tokens)
+    held: list | None = None  # directive only: 1 per kept target token held to the base model (see mark_held_tokens)
 
 
 def examples_from_samples(samples):
@@ -293,6 +294,26 @@ def mean_target_logprob(model, directive, device, pad_id, micro):
 
 
 @torch.no_grad()
+def mark_held_tokens(model, directive, min_base_prob, device, pad_id, micro):
+    """Set e.held: 1 for each token of a* that the user kept and that the base model itself gives
+    at least min_base_prob; OPD holds those to the base model's distribution (distill_kept_tokens).
+
+    A kept token the base model finds plausible is content it would write anyway: learning it as
+    a* only sharpens the sample, wrong digits included. A kept token it finds implausible is the
+    style the adapter has begun to write (a sign-off after the answer, a prefix, a lowercased
+    name): held to the base, the next correction would unlearn it, so it stays in -log p(a*).
+    Slips of sampling that are held count as held, not as slips.
+    """
+    threshold = math.log(min_base_prob) if min_base_prob > 0 else -math.inf
+    with model.disable_adapter():
+        for group in chunks(directive, micro):
+            lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id)
+            for e, row in zip(group, lp.tolist()):
+                e.held = [int(not edited and base_lp >= threshold) for edited, base_lp in zip(e.edited, row)]
+                e.slips = [int(slip and not held) for slip, held in zip(e.slips, e.held)]
+
+
+@torch.no_grad()
 def probe_replies(model, probe_ids, device, eos, pad_id):
     """(prompt, greedy reply) per probe, from the policy before this job's steps.
 
@@ -404,9 +425,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             target = tokenizer(e.target_text, add_special_tokens=False)["input_ids"] + [eos]
             e.prompt_ids, e.response_ids = truncate(template_ids(tokenizer, e.messages), target, config.max_seq_len)
             e.edited = edited_tokens(e.original_ids, e.response_ids, eos)
-            # distill_kept_tokens holds every kept token to the base model already, slips included
-            slip_prob = 0.0 if config.distill_kept_tokens else config.opd_slip_prob
-            e.slips = slip_tokens(e.original_ids, e.original_logprobs, e.response_ids, eos, slip_prob)
+            e.slips = slip_tokens(e.original_ids, e.original_logprobs, e.response_ids, eos, config.opd_slip_prob)
         else:
             if e.old_logprobs is not None and len(e.old_logprobs) != len(e.response_ids):
                 e.old_logprobs = None  # a torn record: recompute rather than misalign
@@ -446,6 +465,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 with contextlib.nullcontext() if approved else model.disable_adapter():
                     lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids)], device, pad_id)
                 reference[id(e)] = lp[0, : int(mask.sum())].tolist()
+    if config.distill_kept_tokens:
+        mark_held_tokens(model, directive, config.distill_min_base_prob, device, pad_id, micro)
     logp_before = mean_target_logprob(model, directive, device, pad_id, micro)
     probes = [template_ids(tokenizer, [{"role": "user", "content": p}]) for p in (probe_prompts or DEFAULT_PROBE_PROMPTS)]
     probes = probe_replies(model, probes, device, eos, pad_id)
@@ -505,10 +526,11 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             pairs = [(e.prompt_ids, e.response_ids) for e in group]
             if config.distill_kept_tokens:
                 lp, mask, dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
-                kept = mask * (1 - padded([e.edited for e in group], mask.size(1), device))
+                mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))
+                held = padded([e.held for e in group], mask.size(1), device)
                 with torch.no_grad(), model.disable_adapter():
                     _, _, base_dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
-                opd = losses.opd_loss(lp, mask, kept_mask=kept, kept_kl=losses.position_kl(base_dist, dist))
+                opd = losses.opd_loss(lp, mask, kept_mask=held, kept_kl=losses.position_kl(base_dist, dist))
             else:
                 lp, mask = response_logprobs(model, pairs, device, pad_id)
                 mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))
@@ -573,6 +595,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         "eval_samples": len(evals),
         "directive_samples": len(directive),
         "opd_slips_skipped": sum(sum(e.slips) for e in directive),
+        "opd_held_tokens": sum(sum(e.held or []) for e in directive),
         "hint_samples": len(hints),
         "steps": len(history),
         "stopped_early": len(history) < config.steps_per_job,

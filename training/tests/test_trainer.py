@@ -329,6 +329,37 @@ def test_opd_holds_the_tokens_a_correction_kept_to_the_base_model(tiny_model_dir
     assert distill_kept_kl < sft_kept_kl / 2, (distill_kept_kl, sft_kept_kl)
 
 
+def test_distill_holds_only_the_kept_tokens_the_base_model_finds_plausible(tiny_model_dir, turn_data):
+    """mark_held_tokens: a kept token is held to the base model where the base gives it at least
+    distill_min_base_prob, and stays in -log p(a*) below it; edited tokens are never held, and a
+    held slip is no longer left out."""
+    from training.trainer import edited_tokens, end_token_id, mark_held_tokens
+
+    prompt, response, _ = turn_data
+    tokenizer, model = load_policy(tiny_model_dir, None, TrainingConfig(), torch.device("cpu"))
+    eos = end_token_id(tokenizer, model)
+    target = tokenizer(tokenizer.decode([t for t in response if t != EOS]) + " and that is all",
+                       add_special_tokens=False)["input_ids"] + [eos]
+    with torch.no_grad(), model.disable_adapter():
+        base_lp, _ = response_logprobs(model, [(prompt, target)], torch.device("cpu"), 0)
+    base_p = base_lp[0].exp().tolist()
+    edited = edited_tokens(response, target, eos)
+    kept_p = sorted(p for p, e in zip(base_p, edited) if not e)
+    assert len(kept_p) >= 2 and kept_p[0] < kept_p[-1]
+
+    def held(min_base_prob):
+        e = Example(kind="directive", prompt_ids=prompt, response_ids=target, edited=edited, slips=[1] * len(target))
+        mark_held_tokens(model, [e], min_base_prob, torch.device("cpu"), 0, micro=8)
+        assert all(not (h and s) for h, s in zip(e.held, e.slips))  # a held token is not a slip too
+        return e.held
+
+    assert held(0.0) == [1 - e for e in edited]  # every kept token, as before the threshold
+    threshold = (kept_p[0] + kept_p[-1]) / 2
+    gated = held(threshold)
+    assert gated == [int(not e and p >= threshold) for e, p in zip(edited, base_p)]
+    assert 0 < sum(gated) < sum(1 - e for e in edited)
+
+
 def test_opd_leaves_out_the_kept_tokens_the_sampler_drew_improbably(tiny_model_dir, tmp_path, turn_data):
     """A correction that appends to a reply whose every token was a slip of sampling: with
     opd_slip_prob the appended words are learned as before, and the slips are not taught."""
