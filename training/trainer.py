@@ -307,7 +307,7 @@ def mark_held_tokens(model, directive, min_base_prob, device, pad_id, micro):
     threshold = math.log(min_base_prob) if min_base_prob > 0 else -math.inf
     with model.disable_adapter():
         for group in chunks(directive, micro):
-            lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id)
+            lp, _ = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id)
             for e, row in zip(group, lp.tolist()):
                 e.held = [int(not edited and base_lp >= threshold) for edited, base_lp in zip(e.edited, row)]
                 e.slips = [int(slip and not held) for slip, held in zip(e.slips, e.held)]
