@@ -3,6 +3,7 @@ import hashlib
 import secrets
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -57,6 +58,10 @@ class Agent(models.Model):
     distill_kept_tokens = models.BooleanField(
         default=False, help_text="OPD holds the tokens a correction kept to the base model instead of learning "
         "them again: better retention of other skills, slower learning of the preference.")
+    distill_min_base_prob = models.FloatField(
+        default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(0.99)],
+        help_text="With distill_kept_tokens, only the kept tokens the base model itself finds at least this "
+        "likely are held to it; the rest (the style the adapter has begun to write) are learned. 0: every kept token.")
     review_policy = models.CharField(max_length=16, choices=ReviewPolicy.choices, default=ReviewPolicy.AUTO_THUMBS)
     classifier = models.CharField(max_length=16, choices=Classifier.choices, default=Classifier.RULES)
     probe_prompts = models.JSONField(default=list, blank=True, help_text="Fixed prompts for behaviour diffs and the KL guard.")

@@ -199,6 +199,19 @@ def test_train_batch_size_is_the_fallback_batch(settings):
     assert TrainingConfig.from_agent(AgentFactory(batch_size=2)).batch_size == 2  # an agent's own wins
 
 
+@pytest.mark.django_db
+def test_an_agents_distill_settings_reach_its_training_config():
+    from django.core.exceptions import ValidationError
+
+    from chat.tests.factories import AgentFactory
+    from training.config import TrainingConfig
+
+    config = TrainingConfig.from_agent(AgentFactory(distill_kept_tokens=True, distill_min_base_prob=0.25))
+    assert (config.distill_kept_tokens, config.distill_min_base_prob) == (True, 0.25)
+    with pytest.raises(ValidationError, match="distill_min_base_prob"):
+        AgentFactory.build(distill_min_base_prob=1.5).full_clean(exclude=["owner", "slug"])
+
+
 def test_train_device_reaches_the_trainer():
     source = (REPO / "training" / "tasks.py").read_text()
     assert "device=settings.TRAIN_DEVICE" in source

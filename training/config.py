@@ -95,6 +95,7 @@ class TrainingConfig:
             batch_size=agent.batch_size or settings.TRAIN_BATCH_SIZE,
             kl_coef=agent.kl_coef,
             distill_kept_tokens=agent.distill_kept_tokens,
+            distill_min_base_prob=agent.distill_min_base_prob,
         )
         values.update(overrides)
         return cls(**values)
