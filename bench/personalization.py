@@ -31,7 +31,7 @@ from training.testing import run_worker, wait_for  # noqa: E402  (no Django need
 
 METHODS = ("none", "binary", "opd", "combined", "offline")
 AGENT_SETTINGS = ("learning_rate", "steps_per_job", "batch_size", "lora_rank", "alpha", "kl_coef",
-                  "distill_kept_tokens", "distill_min_base_prob")
+                  "distill_kept_tokens", "distill_min_base_prob", "kl_base_min_prob")
 TRAINED_ONLINE = ("binary", "opd", "combined")
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -46,7 +46,8 @@ class BenchConfig:
     retention_questions: int = 40  # held-out questions for skill retention
     leakage_prompts: int = 8  # bystander prompts that must stay bit-identical
     # Agent settings that differ from the Agent model's defaults (learning_rate, steps_per_job,
-    # batch_size, lora_rank, alpha, kl_coef, distill_kept_tokens, distill_min_base_prob): empty measures the defaults.
+    # batch_size, lora_rank, alpha, kl_coef, distill_kept_tokens, distill_min_base_prob,
+    # kl_base_min_prob): empty measures the defaults.
     agent: dict = field(default_factory=dict)
     temperature: float = 0.7  # sampling temperature of interaction replies
     max_tokens: int = 48

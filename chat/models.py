@@ -54,12 +54,17 @@ class Agent(models.Model):
     steps_per_job = models.PositiveSmallIntegerField(default=16)
     kl_coef = models.FloatField(
         default=0.1, help_text="Weight of the KL penalty on the replies PPO trains on: what the user did not correct "
-        "stays near the base model, and a thumbed-up reply near the version the job starts from. 0 turns it off.")
+        "stays near the base model, and a thumbed-up reply's style near the version the job starts from. 0 turns it off.")
+    kl_base_min_prob = models.FloatField(
+        default=0.1, validators=[MinValueValidator(0.0), MaxValueValidator(0.99)],
+        help_text="On thumbed-up replies, the KL holds the tokens the base model finds at least this likely to the "
+        "base model (a thumb on the style does not vouch for the content), the rest to the current version. "
+        "0: every token to the current version.")
     distill_kept_tokens = models.BooleanField(
-        default=False, help_text="OPD holds the tokens a correction kept to the base model instead of learning "
+        default=True, help_text="OPD holds the tokens a correction kept to the base model instead of learning "
         "them again: better retention of other skills, slower learning of the preference.")
     distill_min_base_prob = models.FloatField(
-        default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(0.99)],
+        default=0.1, validators=[MinValueValidator(0.0), MaxValueValidator(0.99)],
         help_text="With distill_kept_tokens, only the kept tokens the base model itself finds at least this "
         "likely are held to it; the rest (the style the adapter has begun to write) are learned. 0: every kept token.")
     review_policy = models.CharField(max_length=16, choices=ReviewPolicy.choices, default=ReviewPolicy.AUTO_THUMBS)

@@ -200,16 +200,19 @@ def test_train_batch_size_is_the_fallback_batch(settings):
 
 
 @pytest.mark.django_db
-def test_an_agents_distill_settings_reach_its_training_config():
+def test_an_agents_base_model_gates_reach_its_training_config():
     from django.core.exceptions import ValidationError
 
     from chat.tests.factories import AgentFactory
     from training.config import TrainingConfig
 
-    config = TrainingConfig.from_agent(AgentFactory(distill_kept_tokens=True, distill_min_base_prob=0.25))
-    assert (config.distill_kept_tokens, config.distill_min_base_prob) == (True, 0.25)
+    config = TrainingConfig.from_agent(AgentFactory(distill_kept_tokens=False, distill_min_base_prob=0.25,
+                                                    kl_base_min_prob=0.3))
+    assert (config.distill_kept_tokens, config.distill_min_base_prob, config.kl_base_min_prob) == (False, 0.25, 0.3)
     with pytest.raises(ValidationError, match="distill_min_base_prob"):
         AgentFactory.build(distill_min_base_prob=1.5).full_clean(exclude=["owner", "slug"])
+    with pytest.raises(ValidationError, match="kl_base_min_prob"):
+        AgentFactory.build(kl_base_min_prob=-0.1).full_clean(exclude=["owner", "slug"])
 
 
 def test_train_device_reaches_the_trainer():

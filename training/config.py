@@ -30,12 +30,16 @@ class TrainingConfig:
                                   "from each reward before PPO (losses.reward_baseline): a batch whose replies all got "
                                   "the same thumb moves the adapter through the KL alone. False: the ±1 itself."})
     kl_coef: float = field(default=0.1, metadata={"help": "Weight of the KL penalty (k3) on the replies PPO trains "
-                           "on, held to the base model (thumbed-up replies: to the version the job starts from); "
+                           "on, held to the base model (thumbed-up replies: see kl_base_min_prob); "
                            "0 = off, as in OpenClaw-RL."})
-    distill_kept_tokens: bool = field(default=False, metadata={"help": "Tokens of a* that the user kept from the "
+    kl_base_min_prob: float = field(default=0.1, metadata={"help": "On thumbed-up replies, the tokens the base "
+                                    "model gives at least this probability are held by the KL to the base model, the "
+                                    "rest to the version the job starts from (trainer.kl_reference); 0 = every "
+                                    "token to that version."})
+    distill_kept_tokens: bool = field(default=True, metadata={"help": "Tokens of a* that the user kept from the "
                                       "reply they corrected learn the base model's distribution (KL) instead of "
                                       "the sampled tokens themselves; False = plain -log p(a*) on every token."})
-    distill_min_base_prob: float = field(default=0.0, metadata={"help": "With distill_kept_tokens, only the kept "
+    distill_min_base_prob: float = field(default=0.1, metadata={"help": "With distill_kept_tokens, only the kept "
                                          "tokens that the base model itself gives at least this probability are held to "
                                          "its distribution; the kept tokens it finds less likely (the style the adapter "
                                          "has begun to write) learn as a* (trainer.mark_held_tokens). 0 = every kept token."})
@@ -71,8 +75,8 @@ class TrainingConfig:
             raise ValueError("steps_per_job, batch_size and micro_batch_size must be >= 1")
         if self.replay_corrections < 0:
             raise ValueError("replay_corrections must be >= 0")
-        if not 0 <= self.distill_min_base_prob < 1:
-            raise ValueError("distill_min_base_prob must be in [0, 1)")
+        if not (0 <= self.distill_min_base_prob < 1 and 0 <= self.kl_base_min_prob < 1):
+            raise ValueError("distill_min_base_prob and kl_base_min_prob must be in [0, 1)")
         if not 0 <= self.opd_slip_prob < 1:
             raise ValueError("opd_slip_prob must be in [0, 1)")
         if self.max_grad_norm <= 0 or self.kl_guard <= 0 or self.teacher_adv_clip <= 0:
@@ -96,6 +100,7 @@ class TrainingConfig:
             kl_coef=agent.kl_coef,
             distill_kept_tokens=agent.distill_kept_tokens,
             distill_min_base_prob=agent.distill_min_base_prob,
+            kl_base_min_prob=agent.kl_base_min_prob,
         )
         values.update(overrides)
         return cls(**values)

@@ -10,7 +10,6 @@ Run it from Python (Celery calls exactly this; nothing here knows about Django o
 Stages, top to bottom: load the model and adapter, tokenize, measure "before" (π_old where it is
 missing, teacher logprobs, log p(a*), probe distributions), the optimizer loop, the guards, save.
 """
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -294,6 +293,33 @@ def mean_target_logprob(model, directive, device, pad_id, micro):
 
 
 @torch.no_grad()
+def kl_reference(model, e, min_base_prob, device, pad_id):
+    """Per token of e's reply, the log p that the KL penalty holds it to.
+
+    The base model's where PPO pushes down: without that anchor, thumbs down alone drive an
+    adapter to garbage over a few jobs. On a thumbed-up reply, the version the job starts from, so
+    that a learned style is not pulled back to the base; but the tokens the base model itself
+    gives at least min_base_prob are content it would write anyway, and stay held to the base
+    (0: none are). The user judged the style: their thumb does not vouch for a wrong sum.
+    """
+    def logprobs():
+        lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids)], device, pad_id)
+        return lp[0, : int(mask.sum())].tolist()
+
+    approved = e.kind == "eval" and e.reward > 0
+    if approved:
+        start = logprobs()
+        if not min_base_prob:
+            return start
+    with model.disable_adapter():
+        base = logprobs()
+    if not approved:
+        return base
+    threshold = math.log(min_base_prob)
+    return [b if b >= threshold else s for b, s in zip(base, start)]
+
+
+@torch.no_grad()
 def mark_held_tokens(model, directive, min_base_prob, device, pad_id, micro):
     """Set e.held: 1 for each token of a* that the user kept and that the base model itself gives
     at least min_base_prob; OPD holds those to the base model's distribution (distill_kept_tokens).
@@ -454,17 +480,10 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             c_prime = truncate(template_ids(tokenizer, e.messages), e.response_ids, config.max_seq_len)[0]
             lp, mask = response_logprobs(model, [(c_prime, e.response_ids)], device, pad_id)
             teacher[id(e)] = lp[0, : int(mask.sum())].tolist()
-    # The KL's reference: the base model where PPO pushes down (without that anchor, thumbs down
-    # alone drive an adapter to garbage over a few jobs), and the version the job starts from on
-    # thumbed-up replies (held to the base, the penalty would pull a learned style back there).
     reference = {}
     if config.kl_coef:
-        with torch.no_grad():
-            for e in evals + hints:
-                approved = e.kind == "eval" and e.reward > 0
-                with contextlib.nullcontext() if approved else model.disable_adapter():
-                    lp, mask = response_logprobs(model, [(e.prompt_ids, e.response_ids)], device, pad_id)
-                reference[id(e)] = lp[0, : int(mask.sum())].tolist()
+        for e in evals + hints:
+            reference[id(e)] = kl_reference(model, e, config.kl_base_min_prob, device, pad_id)
     if config.distill_kept_tokens:
         mark_held_tokens(model, directive, config.distill_min_base_prob, device, pad_id, micro)
     logp_before = mean_target_logprob(model, directive, device, pad_id, micro)

@@ -108,7 +108,8 @@ def test_continues_from_an_existing_adapter(tiny_model_dir, tmp_path, turn_data)
 def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_down_to_the_base(
         tiny_model_dir, tmp_path, turn_data):
     """A thumbed-up style the adapter already learned is not pulled back toward the base model (the
-    first step on a trained adapter starts at zero KL), while a −1 stays anchored to the base."""
+    first step on a trained adapter starts at zero KL; kl_base_min_prob 0, every token held to the
+    starting version), while a −1 stays anchored to the base."""
     run(tiny_model_dir, tmp_path, examples(turn_data)[:2], lr=0.02)
     prompt, response, _ = turn_data
     _, model = load_policy(tiny_model_dir, tmp_path / "out", TrainingConfig(), torch.device("cpu"))
@@ -123,7 +124,8 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
     def kl_by_step(reward):
         steps = []
         sample = Example(kind="eval", sample_id=1, prompt_ids=prompt, response_ids=response, reward=reward)
-        train(TrainingConfig(steps_per_job=2, lr=0.02, method="binary"), [sample], base_model_path=tiny_model_dir,
+        train(TrainingConfig(steps_per_job=2, lr=0.02, method="binary", kl_base_min_prob=0.0), [sample],
+              base_model_path=tiny_model_dir,
               init_adapter_dir=tmp_path / "out", out_dir=tmp_path / f"out{reward}", served_model_name="base",
               device="cpu", progress=lambda percent, parts: steps.append(parts["kl"]))
         return steps
@@ -320,7 +322,8 @@ def test_opd_holds_the_tokens_a_correction_kept_to_the_base_model(tiny_model_dir
 
     for name, distill in (("sft", False), ("distill", True)):
         directive = Example(kind="directive", messages=QUESTION, target_text=target_text, original_ids=response)
-        train(TrainingConfig(method="opd", steps_per_job=6, lr=5e-3, kl_guard=100.0, distill_kept_tokens=distill),
+        train(TrainingConfig(method="opd", steps_per_job=6, lr=5e-3, kl_guard=100.0, distill_kept_tokens=distill,
+                             distill_min_base_prob=0.0),
               [directive], base_model_path=tiny_model_dir, init_adapter_dir=None, out_dir=tmp_path / name,
               served_model_name="base", device="cpu")
     sft_logp, sft_kept_kl = measure(tmp_path / "sft")
@@ -358,6 +361,39 @@ def test_distill_holds_only_the_kept_tokens_the_base_model_finds_plausible(tiny_
     gated = held(threshold)
     assert gated == [int(not e and p >= threshold) for e, p in zip(edited, base_p)]
     assert 0 < sum(gated) < sum(1 - e for e in edited)
+
+
+def test_the_kl_holds_a_thumbed_up_reply_to_the_base_only_where_the_base_finds_it_plausible(tiny_model_dir,
+                                                                                            turn_data):
+    """kl_reference: a thumbed-down reply is held to the base model; a thumbed-up one to the
+    version the job starts from, except on the tokens the base gives at least kl_base_min_prob."""
+    from training.trainer import kl_reference
+
+    prompt, response, _ = turn_data
+    _, model = load_policy(tiny_model_dir, None, TrainingConfig(), torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(std=0.5)  # a started version that differs from the base
+    cpu = torch.device("cpu")
+    start = response_logprobs(model, [(prompt, response)], cpu, 0)[0][0].tolist()
+    with torch.no_grad(), model.disable_adapter():
+        base = response_logprobs(model, [(prompt, response)], cpu, 0)[0][0].tolist()
+    assert max(abs(b - s) for b, s in zip(base, start)) > 0.1
+    ranked = sorted(base)
+    threshold = math.exp((ranked[0] + ranked[-1]) / 2)
+
+    def reference(reward, min_base_prob):
+        e = Example(kind="eval", prompt_ids=prompt, response_ids=response, reward=reward)
+        return kl_reference(model, e, min_base_prob, cpu, 0)
+
+    assert reference(-1.0, threshold) == pytest.approx(base)
+    assert reference(1.0, 0.0) == pytest.approx(start)
+    gated = reference(1.0, threshold)
+    expected = [b if math.exp(b) >= threshold else s for b, s in zip(base, start)]
+    assert gated == pytest.approx(expected)
+    assert gated != pytest.approx(base) and gated != pytest.approx(start)
 
 
 def test_opd_leaves_out_the_kept_tokens_the_sampler_drew_improbably(tiny_model_dir, tmp_path, turn_data):
