@@ -340,6 +340,22 @@ def mark_held_tokens(model, directive, min_base_prob, device, pad_id, micro):
 
 
 @torch.no_grad()
+def base_distributions_at_held(model, directive, device, pad_id, micro):
+    """Per micro-batch of directive, the base model's log-softmax at a*'s held positions (N, V).
+
+    The base model is frozen, so these are the same at every step: computed once per job, and
+    kept at the held positions only, so that a large vocabulary costs memory only where OPD uses it.
+    """
+    out = []
+    with model.disable_adapter():
+        for group in chunks(directive, micro):
+            _, mask, dist = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id,
+                                              distributions=True)
+            out.append(dist[padded([e.held for e in group], mask.size(1), device).bool()])
+    return out
+
+
+@torch.no_grad()
 def probe_replies(model, probe_ids, device, eos, pad_id):
     """(prompt, greedy reply) per probe, from the policy before this job's steps.
 
@@ -486,6 +502,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
             reference[id(e)] = kl_reference(model, e, config.kl_base_min_prob, device, pad_id)
     if config.distill_kept_tokens:
         mark_held_tokens(model, directive, config.distill_min_base_prob, device, pad_id, micro)
+        base_held = base_distributions_at_held(model, directive, device, pad_id, micro)
     logp_before = mean_target_logprob(model, directive, device, pad_id, micro)
     probes = [template_ids(tokenizer, [{"role": "user", "content": p}]) for p in (probe_prompts or DEFAULT_PROBE_PROMPTS)]
     probes = probe_replies(model, probes, device, eos, pad_id)
@@ -541,15 +558,15 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
 
         # forward/backward, OPD part: -log p(a* | c') on target tokens (distill_kept_tokens: on the
         # tokens the user changed, and KL to the base model on those they kept)
-        for group in chunks(directive, micro):
+        for g, group in enumerate(chunks(directive, micro)):
             pairs = [(e.prompt_ids, e.response_ids) for e in group]
             if config.distill_kept_tokens:
                 lp, mask, dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
                 mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))
                 held = padded([e.held for e in group], mask.size(1), device)
-                with torch.no_grad(), model.disable_adapter():
-                    _, _, base_dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
-                opd = losses.opd_loss(lp, mask, kept_mask=held, kept_kl=losses.position_kl(base_dist, dist))
+                kept_kl = torch.zeros_like(lp)
+                kept_kl[held.bool()] = losses.position_kl(base_held[g], dist[held.bool()])
+                opd = losses.opd_loss(lp, mask, kept_mask=held, kept_kl=kept_kl)
             else:
                 lp, mask = response_logprobs(model, pairs, device, pad_id)
                 mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))

@@ -363,6 +363,31 @@ def test_distill_holds_only_the_kept_tokens_the_base_model_finds_plausible(tiny_
     assert 0 < sum(gated) < sum(1 - e for e in edited)
 
 
+def test_opd_reads_the_base_distributions_once_at_the_held_positions(tiny_model_dir, turn_data):
+    """base_distributions_at_held: one (held tokens, vocabulary) block per micro-batch, the base
+    model's log-softmax there and not the adapter's."""
+    from training.trainer import base_distributions_at_held
+
+    prompt, response, _ = turn_data
+    _, model = load_policy(tiny_model_dir, None, TrainingConfig(), torch.device("cpu"))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(std=0.5)  # an adapter whose distributions differ from the base's
+    cpu = torch.device("cpu")
+    held = [[1, 0] * (len(response) // 2) + [1] * (len(response) % 2), [0] * len(response), [1] * len(response)]
+    directive = [Example(kind="directive", prompt_ids=prompt, response_ids=response, held=h) for h in held]
+    blocks = base_distributions_at_held(model, directive, cpu, 0, micro=2)
+    assert [b.shape[0] for b in blocks] == [sum(held[0]) + sum(held[1]), sum(held[2])]
+    with torch.no_grad():
+        _, _, adapted = response_logprobs(model, [(prompt, response)], cpu, 0, distributions=True)
+        with model.disable_adapter():
+            _, _, base = response_logprobs(model, [(prompt, response)], cpu, 0, distributions=True)
+    first = torch.tensor(held[0]).bool()
+    assert torch.allclose(blocks[0], base[0][first], atol=1e-5) and torch.allclose(blocks[1], base[0], atol=1e-5)
+    assert not torch.allclose(blocks[1], adapted[0])
+
+
 def test_the_kl_holds_a_thumbed_up_reply_to_the_base_only_where_the_base_finds_it_plausible(tiny_model_dir,
                                                                                             turn_data):
     """kl_reference: a thumbed-down reply is held to the base model; a thumbed-up one to the
