@@ -329,28 +329,20 @@ def mark_held_tokens(model, directive, min_base_prob, device, pad_id, micro):
     style the adapter has begun to write (a sign-off after the answer, a prefix, a lowercased
     name): held to the base, the next correction would unlearn it, so it stays in -log p(a*).
     Slips of sampling that are held count as held, not as slips.
+
+    Returns, per micro-batch of directive, the base model's log-softmax at the held positions
+    (N, V). The base model is frozen, so the job reads them here once rather than at every step;
+    kept at the held positions only, a large vocabulary costs memory only where OPD uses it.
     """
     threshold = math.log(min_base_prob) if min_base_prob > 0 else -math.inf
-    with model.disable_adapter():
-        for group in chunks(directive, micro):
-            lp, _ = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id)
-            for e, row in zip(group, lp.tolist()):
-                e.held = [int(not edited and base_lp >= threshold) for edited, base_lp in zip(e.edited, row)]
-                e.slips = [int(slip and not held) for slip, held in zip(e.slips, e.held)]
-
-
-@torch.no_grad()
-def base_distributions_at_held(model, directive, device, pad_id, micro):
-    """Per micro-batch of directive, the base model's log-softmax at a*'s held positions (N, V).
-
-    The base model is frozen, so these are the same at every step: computed once per job, and
-    kept at the held positions only, so that a large vocabulary costs memory only where OPD uses it.
-    """
     out = []
     with model.disable_adapter():
         for group in chunks(directive, micro):
-            _, mask, dist = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id,
-                                              distributions=True)
+            lp, mask, dist = response_logprobs(model, [(e.prompt_ids, e.response_ids) for e in group], device, pad_id,
+                                               distributions=True)
+            for e, row in zip(group, lp.tolist()):
+                e.held = [int(not edited and base_lp >= threshold) for edited, base_lp in zip(e.edited, row)]
+                e.slips = [int(slip and not held) for slip, held in zip(e.slips, e.held)]
             out.append(dist[padded([e.held for e in group], mask.size(1), device).bool()])
     return out
 
@@ -501,8 +493,7 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
         for e in evals + hints:
             reference[id(e)] = kl_reference(model, e, config.kl_base_min_prob, device, pad_id)
     if config.distill_kept_tokens:
-        mark_held_tokens(model, directive, config.distill_min_base_prob, device, pad_id, micro)
-        base_held = base_distributions_at_held(model, directive, device, pad_id, micro)
+        base_held = mark_held_tokens(model, directive, config.distill_min_base_prob, device, pad_id, micro)
     logp_before = mean_target_logprob(model, directive, device, pad_id, micro)
     probes = [template_ids(tokenizer, [{"role": "user", "content": p}]) for p in (probe_prompts or DEFAULT_PROBE_PROMPTS)]
     probes = probe_replies(model, probes, device, eos, pad_id)
@@ -564,8 +555,8 @@ def train(config: TrainingConfig, examples, *, base_model_path, init_adapter_dir
                 lp, mask, dist = response_logprobs(model, pairs, device, pad_id, distributions=True)
                 mask = mask * (1 - padded([e.slips for e in group], mask.size(1), device))
                 held = padded([e.held for e in group], mask.size(1), device)
-                kept_kl = torch.zeros_like(lp)
-                kept_kl[held.bool()] = losses.position_kl(base_held[g], dist[held.bool()])
+                kept_kl, at_held = torch.zeros_like(lp), held.bool()
+                kept_kl[at_held] = losses.position_kl(base_held[g], dist[at_held])
                 opd = losses.opd_loss(lp, mask, kept_mask=held, kept_kl=kept_kl)
             else:
                 lp, mask = response_logprobs(model, pairs, device, pad_id)

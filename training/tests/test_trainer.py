@@ -364,9 +364,9 @@ def test_distill_holds_only_the_kept_tokens_the_base_model_finds_plausible(tiny_
 
 
 def test_opd_reads_the_base_distributions_once_at_the_held_positions(tiny_model_dir, turn_data):
-    """base_distributions_at_held: one (held tokens, vocabulary) block per micro-batch, the base
+    """mark_held_tokens returns one (held tokens, vocabulary) block per micro-batch: the base
     model's log-softmax there and not the adapter's."""
-    from training.trainer import base_distributions_at_held
+    from training.trainer import mark_held_tokens
 
     prompt, response, _ = turn_data
     _, model = load_policy(tiny_model_dir, None, TrainingConfig(), torch.device("cpu"))
@@ -376,8 +376,10 @@ def test_opd_reads_the_base_distributions_once_at_the_held_positions(tiny_model_
                 weight.normal_(std=0.5)  # an adapter whose distributions differ from the base's
     cpu = torch.device("cpu")
     held = [[1, 0] * (len(response) // 2) + [1] * (len(response) % 2), [0] * len(response), [1] * len(response)]
-    directive = [Example(kind="directive", prompt_ids=prompt, response_ids=response, held=h) for h in held]
-    blocks = base_distributions_at_held(model, directive, cpu, 0, micro=2)
+    directive = [Example(kind="directive", prompt_ids=prompt, response_ids=response, edited=[1 - h for h in row],
+                         slips=[0] * len(response)) for row in held]
+    blocks = mark_held_tokens(model, directive, 0.0, cpu, 0, micro=2)  # 0: every kept token is held
+    assert [e.held for e in directive] == held
     assert [b.shape[0] for b in blocks] == [sum(held[0]) + sum(held[1]), sum(held[2])]
     with torch.no_grad():
         _, _, adapted = response_logprobs(model, [(prompt, response)], cpu, 0, distributions=True)
