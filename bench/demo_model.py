@@ -43,13 +43,15 @@ def parse_config(args) -> DemoModelConfig:
     return dataclasses.replace(config, **changes)
 
 
-def generate(model, tok, conversations: list[list[dict]], max_new_tokens: int = 64, batch: int = 32) -> list[tuple[str, bool]]:
-    """Greedy replies and whether each ended with <|im_end|>."""
+def generate(model, tok, conversations: list[list[dict]], max_new_tokens: int = 64, batch: int = 32,
+             prefill: str = "") -> list[tuple[str, bool]]:
+    """Greedy replies and whether each ended with <|im_end|>; prefill begins every reply (not returned)."""
     tok.padding_side = "left"
     eos = tok.eos_token_id
     results = []
     for i in range(0, len(conversations), batch):
-        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations[i : i + batch]]
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + prefill
+                 for c in conversations[i : i + batch]]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -97,6 +99,15 @@ def accuracy_when_told(model, tok, qas: list[QA], name: str, param: str = "") ->
     instruction = STYLES[name].instructions[0].replace("{p}", param)
     replies = generate(model, tok, [[{"role": "system", "content": instruction},
                                      {"role": "user", "content": qa.question}] for qa in qas])
+    return sum(is_correct(qa, r) for qa, (r, _) in zip(qas, replies)) / len(qas)
+
+
+def accuracy_when_prefilled(model, tok, qas: list[QA], prefix: str, system_prompt: str) -> float:
+    """Held-out accuracy when every reply is begun with prefix, as an adapter that learned the
+    prefix writes it, and the base model goes on from there."""
+    replies = generate(model, tok, [[{"role": "system", "content": system_prompt},
+                                     {"role": "user", "content": qa.question}] for qa in qas], max_new_tokens=48,
+                       prefill=prefix)
     return sum(is_correct(qa, r) for qa, (r, _) in zip(qas, replies)) / len(qas)
 
 
@@ -169,12 +180,15 @@ def main() -> None:
     print(f"demo_style_following_new_text={follow:.2f}")
 
     # The personalization benchmark's retention questions; accuracy when told each style.
-    from bench.personalization import BenchConfig, heldout_prompts
+    from bench.personalization import SYSTEM_PROMPT, BenchConfig, heldout_prompts
 
     retention_qas = heldout_prompts(BenchConfig())["retention"]
     for name, param in (("uppercase", ""), ("lowercase", ""), ("terse", ""), ("prefix", "Answer:"),
                         ("signoff", NEW_SIGNOFF)):
         print(f"demo_accuracy_told_{name}={accuracy_when_told(model, tok, retention_qas, name, param):.3f}")
+    # The same questions with the reply begun by the benchmark's prefix preferences, under its system prompt.
+    for name, prefix in (("plain", ""), ("arrow", "~> "), ("answer", "Answer:")):
+        print(f"demo_accuracy_prefilled_{name}={accuracy_when_prefilled(model, tok, retention_qas, prefix, SYSTEM_PROMPT):.3f}")
 
     if args.lora_check:
         before, after = lora_check(model_dir, tok, heldout_questions(56, seed=5))
