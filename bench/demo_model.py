@@ -96,18 +96,19 @@ def style_following(model, tok, qas: list[QA], channel: str, param_for=None) -> 
 def accuracy_when_told(model, tok, qas: list[QA], name: str, param: str = "") -> float:
     """Held-out accuracy when the system prompt asks for one style (its first wording): what a
     perfectly learned preference could keep of the plain accuracy, for this model."""
-    instruction = STYLES[name].instructions[0].replace("{p}", param)
-    replies = generate(model, tok, [[{"role": "system", "content": instruction},
-                                     {"role": "user", "content": qa.question}] for qa in qas])
-    return sum(is_correct(qa, r) for qa, (r, _) in zip(qas, replies)) / len(qas)
+    return accuracy_under(model, tok, qas, STYLES[name].instructions[0].replace("{p}", param))
 
 
 def accuracy_when_prefilled(model, tok, qas: list[QA], prefix: str, system_prompt: str) -> float:
     """Held-out accuracy when every reply is begun with prefix, as an adapter that learned the
     prefix writes it, and the base model goes on from there."""
+    return accuracy_under(model, tok, qas, system_prompt, max_new_tokens=48, prefill=prefix)
+
+
+def accuracy_under(model, tok, qas: list[QA], system_prompt: str, **generate_kwargs) -> float:
+    """Held-out accuracy of greedy replies to qas under system_prompt."""
     replies = generate(model, tok, [[{"role": "system", "content": system_prompt},
-                                     {"role": "user", "content": qa.question}] for qa in qas], max_new_tokens=48,
-                       prefill=prefix)
+                                     {"role": "user", "content": qa.question}] for qa in qas], **generate_kwargs)
     return sum(is_correct(qa, r) for qa, (r, _) in zip(qas, replies)) / len(qas)
 
 
