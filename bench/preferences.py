@@ -14,6 +14,7 @@ A RULE is one of (docs/benchmarks/personalization_format.md):
 """
 import json
 import re
+from difflib import SequenceMatcher
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +29,31 @@ def _check_endswith(rule, reply):
     return reply.rstrip().endswith(rule["phrase"])
 
 
+# A user fixing their sign-off rewrites a reply's own attempt at it ("… Che, Zorblat!", or the
+# phrase followed by more text) rather than appending the phrase after it: an appended copy would
+# teach the model to write the garble and then the phrase. An attempt is the earliest later word
+# that starts like the phrase and whose next len(phrase) characters are at least this similar to
+# it, or a tail that is the phrase's own beginning ("… Cheers, Zorbl").
+SIGN_OFF_SIMILARITY = 0.6
+
+
+def _sign_off_attempt(phrase, reply):
+    """Where the reply's attempt at the phrase starts, or None."""
+    for word in re.finditer(r"(?<=\s)\S", reply):
+        tail = reply[word.start():]
+        if phrase.startswith(tail.rstrip()):
+            return word.start()
+        if tail[0] == phrase[0] and SequenceMatcher(None, tail[: len(phrase)], phrase).ratio() >= SIGN_OFF_SIMILARITY:
+            return word.start()
+    return None
+
+
 def _fix_endswith(rule, reply):
-    return reply if _check_endswith(rule, reply) else f"{reply.rstrip()} {rule['phrase']}"
+    if _check_endswith(rule, reply):
+        return reply
+    attempt = _sign_off_attempt(rule["phrase"], reply)
+    kept = reply if attempt is None else reply[:attempt]
+    return f"{kept.rstrip()} {rule['phrase']}"
 
 
 def _check_startswith(rule, reply):

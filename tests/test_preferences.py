@@ -56,6 +56,23 @@ def test_transform_leaves_a_satisfying_reply_alone():
     assert transform(rule, "Paris. Cheers!") == "Paris. Cheers!"
 
 
+SIGN_OFF = {"type": "endswith", "phrase": "Cheers, Zorblat!"}
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("4 + 8 = 12. Che, Zorblat!", "4 + 8 = 12. Cheers, Zorblat!"),
+        ("4 + 8 = 12. Cheers, Zorblat! Cheersorblat!", "4 + 8 = 12. Cheers, Zorblat!"),
+        ("4 + 8 = 12. Cheers, Zorbl", "4 + 8 = 12. Cheers, Zorblat!"),
+        ("Chemistry is the study of matter.", "Chemistry is the study of matter. Cheers, Zorblat!"),
+        ("Charles Zorn founded it.", "Charles Zorn founded it. Cheers, Zorblat!"),
+    ],
+)
+def test_endswith_rewrites_the_replys_own_attempt_at_the_phrase(reply, expected):
+    assert transform(SIGN_OFF, reply) == expected
+
+
 def test_combination_applies_every_rule():
     rule = {"type": "all", "rules": [{"type": "lowercase"}, {"type": "endswith", "phrase": "-- bye"}]}
     fixed = transform(rule, REPLY)
