@@ -153,6 +153,18 @@ def test_a_batch_of_thumbs_up_alone_leaves_the_adapter_where_it_was(tiny_model_d
     assert metrics["reward_baseline"] == 0.0 and moved > 0.0
 
 
+def test_a_batch_of_thumbs_down_alone_still_trains(tiny_model_dir, tmp_path, turn_data):
+    """The baseline is floored at 0: replies that all got a thumb down keep their -1s, so PPO
+    pushes them down rather than leaving the job to the KL."""
+    prompt, response, old = turn_data
+    rejected = [Example(kind="eval", sample_id=i, turn_id=i, prompt_ids=prompt, response_ids=response,
+                        old_logprobs=old, reward=-1.0) for i in (1, 2)]
+    metrics = run(tiny_model_dir, tmp_path / "down", rejected, method="binary")
+    weights = load_file(tmp_path / "down" / "out" / "adapter_model.safetensors")
+    assert metrics["reward_baseline"] == 0.0 and metrics["loss_ppo"] != 0.0
+    assert sum(w.abs().sum().item() for name, w in weights.items() if "lora_B" in name) > 0.0
+
+
 def test_the_baseline_counts_a_corrected_reply_once(tiny_model_dir, tmp_path, turn_data):
     """A corrected reply carries two -1s (the thumb and the correction's). Counted per sample, a
     job on it and one thumbed-up reply had a baseline of -1/3; counted per reply it is 0, and a
