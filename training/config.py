@@ -27,8 +27,8 @@ class TrainingConfig:
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})
     clip_eps: float = field(default=0.2, metadata={"help": "PPO ratio clip epsilon (OpenClaw-RL: 0.2)."})
     reward_baseline: bool = field(default=True, metadata={"help": "Subtract the mean reward of the job's replies "
-                                  "from each reward before PPO, floored at 0 (losses.reward_baseline): a batch of only thumbs up "
-                                  "moves the adapter through the KL alone; thumbs down keep their -1. False: the ±1 itself."})
+                                  "from each reward before PPO (losses.reward_baseline): a batch whose replies all got "
+                                  "the same thumb moves the adapter through the KL alone. False: the ±1 itself."})
     kl_coef: float = field(default=0.1, metadata={"help": "Weight of the KL penalty (k3) on the replies PPO trains "
                            "on, held to the base model (thumbed-up replies: see kl_base_min_prob); "
                            "0 = off, as in OpenClaw-RL."})

@@ -99,24 +99,19 @@ def opd_loss(logprobs_of_targets, mask, *, kept_mask=None, kept_kl=None):
 
 
 def reward_baseline(rewards):
-    """The baseline subtracted from each ±1 before PPO: the mean reward of the job's replies,
-    floored at 0.
+    """The baseline subtracted from each ±1 before PPO: the mean reward of the job's replies.
 
     A reply then teaches by how it compares with the others (REINFORCE with a baseline). A batch
-    of thumbs up alone carries no such contrast: without the baseline, its +1s would train the
-    model on its own samples, slips and wrong answers included, job after job. A thumb down needs
-    no contrast: it says the reply was wrong, and on a corrected reply its −1 sits only on the
-    tokens the correction changed (`trainer.blamed_tokens`). So a batch whose mean is below 0
-    keeps its −1s, where the plain mean left a batch of corrected replies to OPD and the KL alone
-    (the twenty-sixth check in docs/training.md). With fewer than two replies there is nothing to
-    compare with, and the baseline is 0.
+    whose replies all got the same reward carries no such contrast: without the baseline, its +1s
+    would train the model on its own samples, slips and wrong answers included, job after job.
+    With fewer than two replies there is nothing to compare with, and the baseline is 0.
 
     Args:
         rewards: one reward per reply (floats; `trainer.reply_rewards` merges the samples of a reply).
     Returns:
         A float.
     """
-    return max(sum(rewards) / len(rewards), 0.0) if len(rewards) > 1 else 0.0
+    return sum(rewards) / len(rewards) if len(rewards) > 1 else 0.0
 
 
 def teacher_advantages(teacher_logprobs, old_logprobs, mask, *, clip=1.0):

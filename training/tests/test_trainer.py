@@ -135,12 +135,6 @@ def test_the_kl_holds_thumbed_up_replies_to_the_starting_version_and_thumbed_dow
     assert kl_by_step(-1.0)[0] == pytest.approx(kl_to_base, rel=1e-3)
 
 
-def saved_lora_b_norm(tmp_path):
-    """Σ|B| of the adapter `run` saved: 0 while B is still at its zero init."""
-    weights = load_file(tmp_path / "out" / "adapter_model.safetensors")
-    return sum(w.abs().sum().item() for name, w in weights.items() if "lora_B" in name)
-
-
 def test_a_batch_of_thumbs_up_alone_leaves_the_adapter_where_it_was(tiny_model_dir, tmp_path, turn_data):
     """With the reward baseline, replies that all got the same thumb carry no advantage: the job
     doesn't train the model on its own samples. Without it, the same batch moves the adapter."""
@@ -150,23 +144,13 @@ def test_a_batch_of_thumbs_up_alone_leaves_the_adapter_where_it_was(tiny_model_d
 
     def lora_b_norm(out, **overrides):
         metrics = run(tiny_model_dir, out, approved, method="binary", **overrides)
-        return metrics, saved_lora_b_norm(out)
+        weights = load_file(out / "out" / "adapter_model.safetensors")
+        return metrics, sum(w.abs().sum().item() for name, w in weights.items() if "lora_B" in name)
 
     metrics, moved = lora_b_norm(tmp_path / "baseline")
     assert metrics["reward_baseline"] == 1.0 and moved == 0.0  # B starts at zero and stays there
     metrics, moved = lora_b_norm(tmp_path / "raw", reward_baseline=False)
     assert metrics["reward_baseline"] == 0.0 and moved > 0.0
-
-
-def test_a_batch_of_thumbs_down_alone_still_trains(tiny_model_dir, tmp_path, turn_data):
-    """The baseline is floored at 0: replies that all got a thumb down keep their -1s, so PPO
-    pushes them down rather than leaving the job to the KL."""
-    prompt, response, old = turn_data
-    rejected = [Example(kind="eval", sample_id=i, turn_id=i, prompt_ids=prompt, response_ids=response,
-                        old_logprobs=old, reward=-1.0) for i in (1, 2)]
-    metrics = run(tiny_model_dir, tmp_path, rejected, method="binary")
-    assert metrics["reward_baseline"] == 0.0 and metrics["loss_ppo"] != 0.0
-    assert saved_lora_b_norm(tmp_path) > 0.0
 
 
 def test_the_baseline_counts_a_corrected_reply_once(tiny_model_dir, tmp_path, turn_data):
