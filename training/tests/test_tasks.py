@@ -5,9 +5,18 @@ from django.utils import timezone
 from chat.tests.factories import engine, live_engine, model_settings  # noqa: F401  (fixtures)
 from serving.models import AdapterVersion
 from training import services, tasks
+from training.config import TrainingConfig
 from training.models import AuditEvent, TrainingJob, TrainingSample
 
-from .factories import AgentFactory, ConversationFactory, FeedbackFactory, UserFactory, reply_with_context
+from .factories import (
+    AgentFactory,
+    ConversationFactory,
+    FeedbackFactory,
+    TrainingJobFactory,
+    TrainingSampleFactory,
+    UserFactory,
+    reply_with_context,
+)
 
 
 def make_ready_samples(user, agent, n, **fields):
@@ -196,7 +205,6 @@ def test_cancel_queued_job(db, staff_user):
 def tiny_job(db, model_settings):
     user, agent = UserFactory(), AgentFactory(steps_per_job=2, learning_rate=1e-3, training_method="binary")
     from training.trainer import load_policy, template_ids
-    from training.config import TrainingConfig
     import torch
 
     tokenizer, _ = load_policy(model_settings.MODEL, None, TrainingConfig(), torch.device("cpu"))
@@ -278,6 +286,26 @@ def test_opd_jobs_replay_the_corrections_their_version_learned_not_abandoned_one
     services.activate(None, user=user, agent=agent, actor=user)
     add_corrections(user, agent, ["Lima. Cheers!"])
     assert run_next_job(user, agent).metrics["samples_replayed"] == 0
+
+
+def test_a_job_replays_only_the_newest_corrections_up_to_the_default_limit(db):
+    user, agent = UserFactory(), AgentFactory()
+    version = AdapterVersion.objects.create(
+        user=user, agent_id=agent.pk, number=1, name=f"u{user.pk}-a{agent.pk}-v1", path="x", sha256="0" * 64,
+        base_model_name="base", base_model_hash="0" * 64,
+    )
+    earlier = TrainingJobFactory(user=user, agent=agent, state="succeeded", result_version=version)
+    limit = TrainingConfig().replay_corrections
+    conversation = ConversationFactory(user=user, agent=agent)
+    texts = [f"Answer {i}. Cheers!" for i in range(limit + 5)]
+    for text in texts:
+        feedback = FeedbackFactory(turn=reply_with_context(conversation), author=user, kind="correction",
+                                   corrected_text=text, status="approved")
+        TrainingSampleFactory(feedback=feedback, target_text=text, reward=None, job=earlier, state="used")
+
+    job = TrainingJobFactory(user=user, agent=agent, parent_version=version)
+    replayed = services.corrections_to_replay(job, limit)
+    assert [s.target_text for s in replayed] == texts[::-1][:limit]
 
 
 def test_every_minus_one_on_a_corrected_reply_knows_the_correction(db):
