@@ -22,7 +22,8 @@ class TrainingConfig:
     target_modules: tuple = field(default=LORA_TARGET_MODULES, metadata={"help": "Modules that get LoRA A/B."})
     steps_per_job: int = field(default=16, metadata={"help": "Optimizer steps per job (each over the whole batch)."})
     batch_size: int = field(default=4, metadata={"help": "Corrected replies, or replies with a reward alone, that trigger a job."})
-    # 24, not 8: on four seeds it kept more of the base model and learned faster to step 4 (docs/training.md).
+    # 24, not 8: in five seed/build pairs it kept as much of the base model or more, and learned as fast or
+    # faster to step 4 (docs/training.md, the twenty-ninth check).
     replay_corrections: int = field(default=24, metadata={"help": "The user's newest corrections (a*) from earlier "
                                     "jobs that OPD trains on again beside the new batch; 0 = only the new batch."})
     micro_batch_size: int = field(default=8, metadata={"help": "Sequences per forward pass (gradient accumulation)."})
