@@ -50,9 +50,10 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         self.group = services.user_group(user.pk)
         self.generations = {}  # assistant turn id -> asyncio.Task
         await self.channel_layer.group_add(self.group, self.channel_name)
-        await self.accept()
+        # Counted before the accept: a client that reads the gauge once connected must see itself.
         self.counted = True
         await presence.asocket_opened()
+        await self.accept()
 
     async def disconnect(self, code):
         if not hasattr(self, "user"):
